@@ -1,0 +1,9 @@
+"""Memory backends: where trials run and where their memory is read."""
+
+from __future__ import annotations
+
+from ._base import DeviceInfo, Measurement, MemoryBackend
+from .cuda import CudaBackend
+from .simulated import SimulatedBackend
+
+__all__ = ["MemoryBackend", "DeviceInfo", "Measurement", "CudaBackend", "SimulatedBackend"]

@@ -1,0 +1,93 @@
+"""Count the bytes of live tensor storages, op by op, like a device allocator would.
+
+:class:`MemoryTracker` is a ``TorchDispatchMode``: every tensor an aten op returns is looked up
+by its storage; a storage not seen before adds its size, and a weakref finalizer takes it off
+again when the storage dies. Views share their base's storage and count once. The result is the
+live tensor memory and its peak, which the simulated backend compares with a budget and the
+estimator runs under fake tensors (shapes only, no real memory).
+
+What it cannot see: memory a kernel allocates for itself (workspaces) and allocator rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryTracker"]
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of tensor storages; optionally an out-of-memory error above ``budget``.
+
+    Args:
+        budget: bytes; when live memory would exceed it, the op raises ``torch.OutOfMemoryError``
+            with the CUDA allocator's wording, so code that handles real OOMs handles this one.
+
+    Example:
+        >>> tracker = MemoryTracker()
+        >>> with tracker:
+        ...     x = torch.zeros(1024)
+        >>> tracker.peak_bytes
+        4096
+    """
+
+    def __init__(self, budget: int | None = None):
+        super().__init__()
+        self.budget = budget
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (token, nbytes)
+        self._tokens = itertools.count()
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that exist already (the model's parameters) as resident on the device."""
+        for tensor in tensors:
+            self._register(tensor, check_budget=False)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        for item in flat:
+            if isinstance(item, torch.Tensor):
+                self._register(item, check_budget=True)
+        return out
+
+    def _register(self, tensor: torch.Tensor, *, check_budget: bool) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            return
+        key, nbytes = id(storage), storage.nbytes()
+        known = self._live.get(key)
+        if known is not None:
+            token, old = known
+            if nbytes == old:
+                return
+            self._live[key] = (token, nbytes)  # resize_ grew or shrank the storage in place
+            self.current_bytes += nbytes - old
+        else:
+            token = next(self._tokens)
+            self._live[key] = (token, nbytes)
+            self.current_bytes += nbytes
+            weakref.finalize(storage, self._release, key, token)
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if check_budget and self.budget is not None and self.current_bytes > self.budget:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {nbytes} bytes "
+                f"(simulated budget {self.budget} bytes, {self.current_bytes} bytes live)."
+            )
+
+    def _release(self, key: int, token: int) -> None:
+        known = self._live.get(key)
+        if known is not None and known[0] == token:
+            del self._live[key]
+            self.current_bytes -= known[1]

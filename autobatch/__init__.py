@@ -8,6 +8,12 @@ from __future__ import annotations
 from .errors import AutobatchError, ConfigError, MinimumBatchError, MissingDependencyError, NoBatchFitsError
 from .oom import is_oom_error
 from .units import format_bytes, parse_bytes
+from .backends import CudaBackend, DeviceInfo, MemoryBackend, SimulatedBackend
+from .memtrack import MemoryTracker
+from .probe import ProbeResult, make_backend, probe
+from .search import SearchOutcome, search_max
+from .trial import Trial, run_trial
+from .workload import Workload, default_loss
 
 __version__ = "0.1.0"
 
@@ -21,4 +27,18 @@ __all__ = [
     "is_oom_error",
     "format_bytes",
     "parse_bytes",
+    "CudaBackend",
+    "DeviceInfo",
+    "MemoryBackend",
+    "SimulatedBackend",
+    "MemoryTracker",
+    "ProbeResult",
+    "make_backend",
+    "probe",
+    "SearchOutcome",
+    "search_max",
+    "Trial",
+    "run_trial",
+    "Workload",
+    "default_loss",
 ]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._base import DeviceInfo, Measurement, MemoryBackend
+from ._base import DeviceInfo, Peak, MemoryBackend
 from .cuda import CudaBackend
 from .simulated import SimulatedBackend
 
-__all__ = ["MemoryBackend", "DeviceInfo", "Measurement", "CudaBackend", "SimulatedBackend"]
+__all__ = ["MemoryBackend", "DeviceInfo", "Peak", "CudaBackend", "SimulatedBackend"]

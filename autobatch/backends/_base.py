@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["MemoryBackend", "DeviceInfo", "Measurement"]
+__all__ = ["MemoryBackend", "DeviceInfo", "Peak"]
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,12 @@ class DeviceInfo:
         return asdict(self)
 
 
-@dataclass
-class Measurement:
-    """Filled in by :meth:`MemoryBackend.track` when its block ends, also when the block raised."""
+@dataclass(frozen=True)
+class Peak:
+    """Peaks since the last :meth:`MemoryBackend.reset_peak`, in bytes."""
 
-    peak_bytes: int = 0      # peak of allocated tensor memory inside the block
-    reserved_bytes: int = 0  # peak of memory held from the device (allocator cache included)
+    allocated: int  # live tensor memory
+    reserved: int   # memory held from the device (allocator cache included): what meets capacity
 
 
 class MemoryBackend(ABC):
@@ -45,12 +45,14 @@ class MemoryBackend(ABC):
 
     * ``device`` is the ``torch.device`` that models and batches are moved to.
     * ``capacity()`` is the number of bytes a trial may peak at (in the sense of
-      ``Measurement.reserved_bytes``) before the device runs out; it does not change while probing.
-    * ``track(resident)`` is a context manager. On entry it resets the peak statistics; the
-      tensors in ``resident`` (the model's parameters and buffers, already on ``device``) count
-      as live. Inside the block, running out of memory raises an exception for which
-      :func:`autobatch.oom.is_oom_error` is true. When the block ends, normally or by an
-      exception, the yielded :class:`Measurement` holds the peaks reached inside the block.
+      ``Peak.reserved``) before the device runs out; it does not change while probing.
+    * ``track(resident)`` is a context manager for one trial. On entry it resets the peak
+      statistics; the tensors in ``resident`` (the model's parameters and buffers, already on
+      ``device``) count as live. Inside the block, running out of memory raises an exception
+      for which :func:`autobatch.oom.is_oom_error` is true.
+    * ``reset_peak()`` restarts the peak statistics from what is live now; ``peak()`` returns
+      the :class:`Peak` reached since, also after an out-of-memory error (the trial reads it per
+      phase: forward and backward apart from the optimizer step).
     * ``allocated_bytes()`` is the tensor memory live on the device now.
     * ``release()`` gives cached memory back after a trial; once the trial's tensors are
       unreferenced, ``allocated_bytes()`` is back at the baseline before the trial.
@@ -68,7 +70,13 @@ class MemoryBackend(ABC):
 
     @abstractmethod
     @contextmanager
-    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[Measurement]: ...
+    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]: ...
+
+    @abstractmethod
+    def reset_peak(self) -> None: ...
+
+    @abstractmethod
+    def peak(self) -> Peak: ...
 
     @abstractmethod
     def allocated_bytes(self) -> int: ...

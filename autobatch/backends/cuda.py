@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import AutobatchError
-from ._base import DeviceInfo, Measurement, MemoryBackend
+from ._base import DeviceInfo, MemoryBackend, Peak
 
 __all__ = ["CudaBackend", "nvml_usage"]
 
@@ -60,18 +60,18 @@ class CudaBackend(MemoryBackend):
         )
 
     @contextmanager
-    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[Measurement]:
+    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        # The caching allocator already counts the resident tensors and raises real OOMs.
+        self.reset_peak()
+        yield
+
+    def reset_peak(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        measurement = Measurement()
-        try:
-            yield measurement
-        finally:
-            try:
-                torch.cuda.synchronize(self.device)
-            finally:
-                measurement.peak_bytes = torch.cuda.max_memory_allocated(self.device)
-                measurement.reserved_bytes = torch.cuda.max_memory_reserved(self.device)
+
+    def peak(self) -> Peak:
+        torch.cuda.synchronize(self.device)
+        return Peak(torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device))
 
     def allocated_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device)

@@ -9,7 +9,7 @@ import torch
 
 from ..memtrack import MemoryTracker
 from ..units import format_bytes, parse_bytes
-from ._base import DeviceInfo, Measurement, MemoryBackend
+from ._base import DeviceInfo, MemoryBackend, Peak
 
 __all__ = ["SimulatedBackend"]
 
@@ -54,18 +54,23 @@ class SimulatedBackend(MemoryBackend):
         )
 
     @contextmanager
-    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[Measurement]:
+    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         tracker = self._tracker
         tracker.add(resident)
         tracker.reset_peak()
-        measurement = Measurement()
         tracker.budget = self.budget
         try:
             with tracker:
-                yield measurement
+                yield
         finally:
             tracker.budget = None
-            measurement.peak_bytes = measurement.reserved_bytes = tracker.peak_bytes
+
+    def reset_peak(self) -> None:
+        self._tracker.reset_peak()
+
+    def peak(self) -> Peak:
+        # Exact tensor bytes: no allocator cache to add, so both figures agree.
+        return Peak(self._tracker.peak_bytes, self._tracker.peak_bytes)
 
     def allocated_bytes(self) -> int:
         return self._tracker.current_bytes

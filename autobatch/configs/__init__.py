@@ -1,0 +1,32 @@
+"""Config writers: one :class:`~autobatch.Plan`, the same numbers in every file and command line.
+
+One module per target: :mod:`.deepspeed`, :mod:`.accelerate`, :mod:`.hf`, :mod:`.lightning`,
+:mod:`.launch`; :mod:`.files` reads and writes JSON/YAML. Each writer takes a Plan; the Plan's
+methods (``plan.to_deepspeed()`` …) delegate here.
+"""
+
+from __future__ import annotations
+
+from .accelerate import accelerate_config, read_accelerate_config, write_accelerate_config
+from .deepspeed import BATCH_KEYS, deepspeed_config, read_deepspeed_config, write_deepspeed_config
+from .files import read_config, write_config
+from .hf import hf_flags, hf_training_args
+from .launch import accelerate_command, torchrun_command
+from .lightning import lightning_settings
+
+__all__ = [
+    "BATCH_KEYS",
+    "accelerate_command",
+    "accelerate_config",
+    "deepspeed_config",
+    "hf_flags",
+    "hf_training_args",
+    "lightning_settings",
+    "read_accelerate_config",
+    "read_config",
+    "read_deepspeed_config",
+    "torchrun_command",
+    "write_accelerate_config",
+    "write_config",
+    "write_deepspeed_config",
+]

@@ -1,0 +1,110 @@
+"""DeepSpeed JSON: the three batch keys, merged into an existing config without touching the rest.
+
+DeepSpeed asserts ``train_batch_size == train_micro_batch_size_per_gpu × gradient_accumulation_steps
+× world_size`` at start-up, where ``world_size`` is the data-parallel size. A :class:`~autobatch.Plan`
+satisfies that identity by construction, so writing all three keys from one Plan always passes.
+
+What happens to ``"auto"``
+    HF Trainer and accelerate replace ``"auto"`` at launch with values computed from their own
+    arguments (``per_device_train_batch_size``, ``gradient_accumulation_steps``, world size);
+    plain ``deepspeed.initialize`` rejects ``"auto"``. By default autobatch writes the plan's
+    numbers over ``"auto"``: the file is then correct on its own, and HF, which compares every
+    concrete value with its ``TrainingArguments``, still accepts it as long as those arguments
+    come from the same Plan (``plan.to_hf()``). With ``keep_auto=True`` keys that say ``"auto"``
+    are left as they are, for setups where the launcher's own arguments are the source of truth.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .files import read_config, write_config
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+__all__ = [
+    "TRAIN_BATCH_SIZE",
+    "MICRO_BATCH",
+    "GRAD_ACCUM",
+    "BATCH_KEYS",
+    "ZERO_OPTIMIZATION",
+    "deepspeed_config",
+    "read_deepspeed_config",
+    "write_deepspeed_config",
+]
+
+TRAIN_BATCH_SIZE = "train_batch_size"
+MICRO_BATCH = "train_micro_batch_size_per_gpu"
+GRAD_ACCUM = "gradient_accumulation_steps"
+BATCH_KEYS = (TRAIN_BATCH_SIZE, MICRO_BATCH, GRAD_ACCUM)
+ZERO_OPTIMIZATION = "zero_optimization"
+
+
+def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep_auto: bool = False) -> dict[str, Any]:
+    """The plan's three batch keys, optionally merged into an existing DeepSpeed config.
+
+    Args:
+        plan: The plan to write.
+        existing: A DeepSpeed config to update; every other key (and the key order) is kept and
+            the argument itself is not modified.
+        keep_auto: Leave keys whose value is ``"auto"`` untouched (see the module docstring).
+
+    Example:
+        >>> from autobatch.plan import Plan
+        >>> deepspeed_config(Plan(7, 2, gpus_per_node=16), {"zero_optimization": {"stage": 2}})
+        {'zero_optimization': {'stage': 2}, 'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2}
+    """
+    config = copy.deepcopy(existing) if existing else {}
+    for key, value in zip(BATCH_KEYS, (plan.global_batch, plan.micro_batch, plan.grad_accum)):
+        if keep_auto and config.get(key) == "auto":
+            continue
+        config[key] = value
+    return config
+
+
+def read_deepspeed_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a DeepSpeed config (JSON, or hjson when installed); one-line :class:`AutobatchError` on failure.
+
+    Example:
+        >>> read_deepspeed_config("ds_config.json")["train_batch_size"]  # doctest: +SKIP
+        224
+    """
+    return read_config(path)
+
+
+def write_deepspeed_config(
+    plan: Plan,
+    path: str | os.PathLike[str],
+    *,
+    base: str | os.PathLike[str] | None = None,
+    keep_auto: bool = False,
+    for_accelerate: bool = False,
+) -> dict[str, Any]:
+    """Write the plan into a DeepSpeed JSON file and return what was written.
+
+    Args:
+        plan: The plan to write.
+        path: Output file. When it exists (and ``base`` is not given) it is updated in place:
+            only the three batch keys change.
+        base: Start from this config instead (e.g. a shared template), leaving it untouched.
+        keep_auto: Leave ``"auto"`` values untouched (see the module docstring).
+        for_accelerate: The file will be named in an accelerate config. accelerate refuses a
+            DeepSpeed file without a ``zero_optimization`` section, so when there is none this
+            adds ``{"stage": 0}``, which is DeepSpeed's own default and changes nothing else.
+
+    A file read as hjson is written back as plain JSON, so its comments are not kept.
+
+    Example:
+        >>> write_deepspeed_config(plan, "ds_config.json")  # doctest: +SKIP
+    """
+    source = base if base is not None else (path if Path(path).exists() else None)
+    existing = read_deepspeed_config(source) if source is not None else None
+    config = deepspeed_config(plan, existing, keep_auto=keep_auto)
+    if for_accelerate:
+        config.setdefault(ZERO_OPTIMIZATION, {"stage": 0})
+    write_config(path, config)
+    return config

@@ -1,0 +1,117 @@
+"""Read and write config files (JSON, YAML) with one-line errors instead of tracebacks.
+
+The format follows the file's suffix: ``.json`` or ``.yaml``/``.yml``. Writes are atomic (a
+temporary file in the same folder, then a rename) so an interrupted run never leaves half a config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import AutobatchError
+
+__all__ = ["read_config", "write_config"]
+
+_JSON = (".json",)
+_YAML = (".yaml", ".yml")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # DeepSpeed refuses duplicate keys; plain json.loads would silently keep the last one.
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _parse_json(text: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError:
+        # DeepSpeed also reads hjson (JSON with comments); accept it when that library is installed.
+        try:
+            import hjson
+        except ImportError:
+            raise
+        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load a JSON or YAML config file as a dict.
+
+    Args:
+        path: A ``.json``, ``.yaml`` or ``.yml`` file.
+
+    Raises:
+        AutobatchError: missing, unreadable or malformed file, or not a mapping at the top level;
+            the message names the file and the cause in one line.
+
+    Example:
+        >>> read_config("ds_config.json")  # doctest: +SKIP
+        {'train_batch_size': 224, ...}
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise AutobatchError(f"config file must exist, but {str(path)!r} was not found; check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AutobatchError(f"config file must be readable, but {str(path)!r} gave: {exc}") from None
+    try:
+        data = yaml.safe_load(text) if path.suffix.lower() in _YAML else _parse_json(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "YAML" if path.suffix.lower() in _YAML else "JSON"
+        detail = " ".join(str(exc).split())
+        raise AutobatchError(f"{str(path)!r} must be valid {kind}, but parsing failed: {detail}") from None
+    if not isinstance(data, dict):
+        raise AutobatchError(
+            f"{str(path)!r} must hold a mapping of keys to values at the top level, but got {type(data).__name__}"
+        )
+    return data
+
+
+def write_config(path: str | os.PathLike[str], data: dict[str, Any], *, comment: str | None = None) -> Path:
+    """Write ``data`` as JSON or YAML (by suffix), atomically, and return the path.
+
+    Args:
+        path: Target file; ``.json``, ``.yaml`` or ``.yml``. Parent folders are created.
+        data: The config mapping; key order is kept.
+        comment: For YAML only: lines written as ``#`` comments at the top (JSON has no comments).
+
+    Example:
+        >>> write_config("accelerate.yaml", {"num_processes": 16}, comment="made by autobatch")  # doctest: +SKIP
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in _JSON:
+        text = json.dumps(data, indent=2) + "\n"
+    elif suffix in _YAML:
+        header = "".join(f"# {line}\n" if line else "#\n" for line in (comment or "").splitlines())
+        text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    else:
+        raise AutobatchError(
+            f"config file name must end in .json, .yaml or .yml, but got {str(path)!r}; rename it"
+        )
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # keep an existing file's permissions; mkstemp alone would leave 0600
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise AutobatchError(f"config file must be writable, but writing {str(path)!r} failed: {exc}") from None
+    return path

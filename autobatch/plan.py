@@ -168,10 +168,20 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, plus ``num_processes`` and the printed ``arithmetic``."""
-        data = asdict(self)
+        # the identity's terms first, so the JSON reads like the arithmetic
+        data: dict[str, Any] = {
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "model_parallel": self.model_parallel,
+            "num_processes": self.num_processes,
+            "arithmetic": str(self),
+        }
+        data.update({k: v for k, v in asdict(self).items() if k not in data})
         data["lr_advice"] = None if self.lr_advice is None else self.lr_advice.to_dict()
-        data["num_processes"] = self.num_processes
-        data["arithmetic"] = str(self)
         return data
 
     # --- config writers: thin delegates to autobatch.configs --------------------------------

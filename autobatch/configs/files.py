@@ -16,10 +16,26 @@ import yaml
 
 from ..errors import AutobatchError
 
-__all__ = ["read_config", "write_config"]
+__all__ = ["ConfigFileError", "read_config", "write_config"]
 
 _JSON = (".json",)
 _YAML = (".yaml", ".yml")
+
+
+class ConfigFileError(AutobatchError):
+    """A config file cannot be read, parsed or written.
+
+    Attributes:
+        path: The file.
+        problem: What is wrong, stated as the rule and the value (``"must exist, but …"``).
+        fix: What to do about it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problem: str, fix: str):
+        self.path = os.fspath(path)
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"config file {problem}; {fix}")
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -51,7 +67,7 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         path: A ``.json``, ``.yaml`` or ``.yml`` file.
 
     Raises:
-        AutobatchError: missing, unreadable or malformed file, or not a mapping at the top level;
+        ConfigFileError: missing, unreadable or malformed file, or not a mapping at the top level;
             the message names the file and the cause in one line.
 
     Example:
@@ -62,18 +78,20 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise AutobatchError(f"config file must exist, but {str(path)!r} was not found; check the path") from None
+        raise ConfigFileError(path, f"must exist, but {str(path)!r} was not found", "check the path") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise AutobatchError(f"config file must be readable, but {str(path)!r} gave: {exc}") from None
+        raise ConfigFileError(path, f"must be readable, but reading {str(path)!r} failed: {exc}", "check the file") from None
+    kind = "YAML" if path.suffix.lower() in _YAML else "JSON"
     try:
-        data = yaml.safe_load(text) if path.suffix.lower() in _YAML else _parse_json(text)
+        data = yaml.safe_load(text) if kind == "YAML" else _parse_json(text)
     except (ValueError, yaml.YAMLError) as exc:
-        kind = "YAML" if path.suffix.lower() in _YAML else "JSON"
-        detail = " ".join(str(exc).split())
-        raise AutobatchError(f"{str(path)!r} must be valid {kind}, but parsing failed: {detail}") from None
+        detail = " ".join(str(exc).split())  # parsers write several lines; the CLI shows one
+        raise ConfigFileError(path, f"must be valid {kind}, but {str(path)!r} failed to parse: {detail}", f"fix the {kind} syntax") from None
     if not isinstance(data, dict):
-        raise AutobatchError(
-            f"{str(path)!r} must hold a mapping of keys to values at the top level, but got {type(data).__name__}"
+        raise ConfigFileError(
+            path,
+            f"must hold a mapping of keys to values, but {str(path)!r} holds a {type(data).__name__}",
+            "put the settings in a top-level mapping",
         )
     return data
 
@@ -97,9 +115,7 @@ def write_config(path: str | os.PathLike[str], data: dict[str, Any], *, comment:
         header = "".join(f"# {line}\n" if line else "#\n" for line in (comment or "").splitlines())
         text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     else:
-        raise AutobatchError(
-            f"config file name must end in .json, .yaml or .yml, but got {str(path)!r}; rename it"
-        )
+        raise ConfigFileError(path, f"name must end in .json, .yaml or .yml, but got {str(path)!r}", "rename it")
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,5 +129,5 @@ def write_config(path: str | os.PathLike[str], data: dict[str, Any], *, comment:
     except OSError as exc:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise AutobatchError(f"config file must be writable, but writing {str(path)!r} failed: {exc}") from None
+        raise ConfigFileError(path, f"must be writable, but writing {str(path)!r} failed: {exc}", "check the folder and permissions") from None
     return path

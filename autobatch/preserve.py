@@ -25,48 +25,52 @@ def borrowed_model(
     as copies on ``device`` while the originals wait untouched.
     """
     params = dict(model.named_parameters(remove_duplicate=True))
-    owners = [(module, name) for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
-    saved_params = {name: (p.data, p.grad, p.requires_grad) for name, p in params.items()}
-    saved_buffers = [(module, name, module._buffers[name]) for module, name in owners]
+    buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
+    grads = {name: (p.grad, p.requires_grad) for name, p in params.items()}
     modes = [(module, module.training) for module in model.modules()]
     checkpointing_before = bool(getattr(model, "is_gradient_checkpointing", False))
-    backups: dict[int, torch.Tensor] = {}  # id(original tensor) -> CPU copy, for in-place training
+    # Per tensor: ("copy", CPU copy) when trained in place on the device, ("moved", original) when
+    # a copy is trained on the device instead. Keyed by name: ``p.data`` is a new object each time.
+    param_saves: dict[str, tuple[str, torch.Tensor]] = {}
+    buffer_saves: list[tuple[str, torch.Tensor]] = []
 
-    def lend(tensor: torch.Tensor) -> torch.Tensor:
+    def lend(tensor: torch.Tensor) -> tuple[tuple[str, torch.Tensor], torch.Tensor]:
         if tensor.device == device:
-            if id(tensor) not in backups:
-                backups[id(tensor)] = tensor.detach().to("cpu", copy=True)
-            return tensor
-        return tensor.detach().to(device, copy=True)
+            return ("copy", tensor.detach().to("cpu", copy=True)), tensor
+        return ("moved", tensor), tensor.detach().to(device, copy=True)
+
+    def give_back(save: tuple[str, torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        how, kept = save
+        if how == "copy":
+            current.copy_(kept)
+            return current
+        return kept
 
     rng_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
         try:
             with torch.no_grad():
-                for p in params.values():
-                    p.data = lend(p.data)
+                for name, p in params.items():
+                    param_saves[name], p.data = lend(p.data)
                     p.grad = None
-                for module, name, buf in saved_buffers:
-                    module._buffers[name] = lend(buf)
+                for module, name, buf in buffers:
+                    save, module._buffers[name] = lend(buf)
+                    buffer_saves.append(save)
             model.train()
             if grad_checkpointing and not checkpointing_before:
                 _enable_checkpointing(model)
             yield model
         finally:
-            if grad_checkpointing and not checkpointing_before:
+            if grad_checkpointing and not checkpointing_before and hasattr(model, "gradient_checkpointing_disable"):
                 model.gradient_checkpointing_disable()
             with torch.no_grad():
-                for name, p in params.items():
-                    data, grad, requires_grad = saved_params[name]
-                    if id(data) in backups:
-                        data.copy_(backups[id(data)])
-                    p.data = data
-                    p.grad = grad
+                for name, save in param_saves.items():
+                    p = params[name]
+                    p.data = give_back(save, p.data)
+                    p.grad, requires_grad = grads[name]
                     p.requires_grad_(requires_grad)
-                for module, name, buf in saved_buffers:
-                    if id(buf) in backups:
-                        buf.copy_(backups[id(buf)])
-                    module._buffers[name] = buf
+                for (module, name, _), save in zip(buffers, buffer_saves):
+                    module._buffers[name] = give_back(save, module._buffers[name])
             for module, training in modes:
                 module.training = training
 

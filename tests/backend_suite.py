@@ -1,0 +1,80 @@
+"""The contract of :class:`autobatch.backends.MemoryBackend`, as tests every backend must pass.
+
+A backend's test module subclasses :class:`BackendContract` and provides ``backend`` (a fresh
+backend whose capacity a small MLP step fits in, but a batch of 10**6 does not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autobatch import DeviceInfo, MemoryBackend, is_oom_error
+from autobatch.trial import run_trial
+from tests.tiny import mlp, mlp_workload
+
+
+class BackendContract:
+    @pytest.fixture
+    def backend(self) -> MemoryBackend:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @pytest.fixture
+    def model(self, backend):
+        return mlp().to(backend.device)
+
+    def test_capacity_is_positive_and_stable(self, backend):
+        assert backend.capacity() > 0
+        assert backend.capacity() == backend.capacity()
+
+    def test_info_describes_the_device(self, backend):
+        info = backend.info()
+        assert isinstance(info, DeviceInfo)
+        assert info.capacity_bytes == backend.capacity()
+        assert info.name and info.kind in ("cuda", "simulated")
+        assert set(info.to_dict()) >= {"name", "total_bytes", "free_bytes", "used_by_others_bytes", "host"}
+
+    def test_peak_counts_resident_tensors_and_grows_with_batch(self, backend, model):
+        work = mlp_workload(model)
+        small = run_trial(work, model, backend, 8)
+        large = run_trial(work, model, backend, 512)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert small.fits and large.fits
+        assert small.peak_bytes >= params
+        assert large.peak_bytes > small.peak_bytes
+        assert large.forward_backward_bytes > small.forward_backward_bytes
+        assert small.reserved_bytes >= small.peak_bytes
+
+    def test_running_out_raises_an_oom_error_inside_track(self, backend):
+        with pytest.raises(Exception) as info:
+            with backend.track():
+                torch.empty(backend.capacity() + (1 << 20), dtype=torch.uint8, device=backend.device)
+        assert is_oom_error(info.value)
+
+    def test_peak_is_readable_after_an_oom_and_resets(self, backend):
+        with backend.track():
+            backend.reset_peak()
+            x = torch.ones(1 << 20, dtype=torch.uint8, device=backend.device)
+            assert backend.peak().allocated >= (1 << 20)
+            del x
+            backend.reset_peak()
+            assert backend.peak().allocated < (1 << 20) + backend.allocated_bytes() + 1
+
+    def test_failed_trial_returns_memory_to_baseline(self, backend, model):
+        work = mlp_workload(model)
+        assert run_trial(work, model, backend, 4).fits  # the model is now known to the device
+        baseline = backend.allocated_bytes()
+        trial = run_trial(work, model, backend, 10**6)
+        assert not trial.fits and trial.error
+        assert backend.allocated_bytes() == baseline
+        assert run_trial(work, model, backend, 4).fits
+        assert backend.allocated_bytes() == baseline
+
+    def test_non_oom_errors_propagate_untouched(self, backend, model):
+        def broken(_model, _batch):
+            raise KeyError("labels")
+
+        work = mlp_workload(model)
+        work = type(work)(work.model, work.make_batch, loss_fn=broken)
+        with pytest.raises(KeyError, match="labels"):
+            run_trial(work, model, backend, 4)

@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny import cnn_workload, lm_workload, mlp_workload  # noqa: F401  (fixtures' building blocks)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

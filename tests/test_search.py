@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from autobatch.search import HARD_MAX_BATCH, chord_batch, fit_line, search_max
+from autobatch.trial import Trial
+
+
+def oracle(memory, capacity, resident, optimizer_phase=None):
+    """Trials whose peak is ``memory(b)``; with ``optimizer_phase`` that peak is split into a
+    forward/backward phase (``memory``) and an optimizer phase, as real trials report it."""
+
+    def run(b):
+        fb = memory(b)
+        opt = optimizer_phase(b) if optimizer_phase else 0
+        m = max(fb, opt)
+        return Trial(b, m <= capacity, m, m, forward_backward_bytes=fb, optimizer_bytes=opt,
+                     resident_bytes=resident if m <= capacity else None)
+
+    return run
+
+
+def exhaustive(memory, capacity, min_batch=1):
+    b = min_batch
+    while memory(b) <= capacity:
+        b += 1
+    return b - 1
+
+
+def test_affine_memory_is_found_in_three_trials_with_this_exact_sequence():
+    outcome = search_max(oracle(lambda b: 100 + 7 * b, 1000, 100), 1000)
+    assert [t.batch for t in outcome.trials] == [1, 128, 129]
+    assert outcome.max_batch == 128 and outcome.limited_by == "memory"
+
+
+def test_flat_start_then_linear_is_exact():
+    # At small batches the optimizer step sets the peak; activations take over later.
+    memory = lambda b: max(5_000, 1_000 + 30 * b)  # noqa: E731
+    outcome = search_max(oracle(memory, 20_000, 1_000), 20_000)
+    assert outcome.max_batch == exhaustive(memory, 20_000) == 633
+
+
+@pytest.mark.parametrize("kind", ["affine", "flat", "flat-unphased", "convex", "rounded"])
+def test_exact_on_many_budgets_and_median_trials(kind):
+    trials = []
+    for i in range(25):
+        base, per = 50_000 + 7_919 * i, 1_000 + 613 * i
+        capacity = base + per * (37 + 97 * i) + 11 * i
+        memory = {
+            "affine": lambda b: base + per * b,
+            "flat": lambda b: base + per * b,
+            "flat-unphased": lambda b: max(base + per * 20, base + per * b),
+            "convex": lambda b: base + per * b + per * b * b // 2000,
+            "rounded": lambda b: -(-(base + per * b) // 65_536) * 65_536,
+        }[kind]
+        optimizer = (lambda b: base + per * 20) if kind == "flat" else None  # flat, sets the peak below b=20
+        outcome = search_max(oracle(memory, capacity, base // 2, optimizer), capacity)
+        total = (lambda b: max(memory(b), optimizer(b))) if optimizer else memory
+        assert outcome.max_batch == exhaustive(total, capacity), (kind, i)
+        trials.append(len(outcome.trials))
+    if kind in ("affine", "flat"):
+        assert statistics.median(trials) <= 4
+    assert max(trials) <= 25
+
+
+def test_cap_is_respected_and_reported():
+    outcome = search_max(oracle(lambda b: 10 * b, 10**9, 0), 10**9, max_batch=300)
+    assert outcome.max_batch == 300 and outcome.limited_by == "max_batch"
+    assert all(t.batch <= 300 for t in outcome.trials)
+
+
+def test_min_batch_is_the_first_trial_and_nothing_fitting_gives_zero():
+    outcome = search_max(oracle(lambda b: 10 * b, 15, 0), 15, min_batch=2)
+    assert outcome.max_batch == 0 and [t.batch for t in outcome.trials] == [2]
+
+
+def test_memory_that_never_grows_stops_at_the_hard_cap():
+    outcome = search_max(oracle(lambda b: 10, 100, 10), 100)
+    assert outcome.max_batch == HARD_MAX_BATCH and outcome.limited_by == "max_batch"
+
+
+def test_fit_line_uses_points_far_apart():
+    assert fit_line({1: 110, 100: 1100}) == (100.0, 10.0)
+    assert fit_line({5: 10}) is None
+    assert fit_line({1: 50, 2: 50}) is None  # flat: no bound
+
+
+def test_chord_is_below_the_boundary_of_a_curve_that_bends_up():
+    memory = lambda b: max(2_000 + 10 * b, 1_000 + 20 * b)  # noqa: E731  (resident 1_000)
+    chord = chord_batch({50: memory(50)}, 1_000, 10_000)
+    assert chord is not None and memory(chord) <= 10_000

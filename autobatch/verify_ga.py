@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ __all__ = [
     "GAVerification",
     "ParamGradComparison",
     "verify_ga",
+    "verify_model",
     "verify_model_source",
     "padded_lm_batch",
     "lm_token_loss",
@@ -245,6 +247,11 @@ def padded_lm_batch(
     return {"input_ids": ids, "attention_mask": mask.long(), "labels": labels}
 
 
+def _takes_attention_mask(model: torch.nn.Module) -> bool:
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def lm_token_loss(shift: bool = True) -> TokenLossFn:
     """A token-level loss for HF-style language models: ``(model, batch) -> (per_token_loss, mask)``.
 
@@ -255,9 +262,9 @@ def lm_token_loss(shift: bool = True) -> TokenLossFn:
     """
 
     def token_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
+        if _takes_attention_mask(model):
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        except TypeError:  # plain modules that take the ids only
+        else:  # plain modules that take the ids only
             out = model(batch["input_ids"])
         logits = out if isinstance(out, torch.Tensor) else out["logits"] if isinstance(out, Mapping) else out.logits
         return token_cross_entropy(logits, batch["labels"], shift=shift)
@@ -497,6 +504,9 @@ class _Measure:
                 masks = [self._items(b, seed)[1] for b in self.micro]
             counts = [int(m.sum()) for m in masks]
             item_kind = "tokens" if masks[0].dim() > 1 else "samples"
+        elif self.mode == "naive" and all(isinstance(b, Mapping) and "labels" in b for b in self.micro):
+            # Only to explain a failure: the labelled tokens a mean-reduced LM loss averages over.
+            counts, item_kind = [int((b["labels"] != -100).sum()) for b in self.micro], "tokens"
         else:
             counts, item_kind = [_batch_size(b) for b in self.micro], "samples"
 
@@ -578,11 +588,14 @@ def _likely_cause(status: str, mode: str, batchnorm: bool, m: _Measured, grad_ac
         )
     if status == "PASS":
         return None
-    if not math.isfinite(m.rel):
+    if mode == "naive" and min(m.counts) == 0:
         return (
-            "the accumulated gradient is not finite: a micro-batch holds no item that counts (all padding), so its "
-            "mean is 0/0. Normalise by the whole accumulated batch's count (autobatch.count_loss_tokens)."
+            f"a micro-batch holds no {m.item_kind} that count (all padding), so its mean is 0/0 (a NaN loss), and "
+            "the other micro-batches are a mean of means. Normalise by the whole accumulated batch's count "
+            "(count_loss_tokens + LossNormaliser.token_loss), which never divides by a micro-batch's own count."
         )
+    if not math.isfinite(m.rel):
+        return "the accumulated gradient is not finite (NaN or inf): check the loss for a division by zero."
     scale = m.cosine > 1 - 1e-6 and abs(m.ratio - 1) > 1e-3
     if scale:
         return (
@@ -651,3 +664,38 @@ def verify_model_source(
         batch = source.make_batch(global_batch)
     return verify_ga(source.model, batch, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
                      loss_fn=source.loss_fn, mode=mode, tolerance=tolerance, seed=seed)
+
+
+def verify_model(
+    spec: str,
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int = 1,
+    seq_len: int | None = None,
+    mode: Mode = "naive",
+    tolerance: float = 1e-5,
+    seed: int = 0,
+) -> GAVerification:
+    """:func:`verify_model_source` for a built-in model name; what ``autobatch verify-ga --model`` runs.
+
+    Args:
+        spec: A name that ``autobatch.models.load_model`` knows (``tiny-gpt2``, ``tiny-mlp``, …).
+        seq_len: Sequence length for language models; ``None`` keeps the model's default.
+        micro_batch, grad_accum, world_size, mode, tolerance, seed: As for :func:`verify_ga`.
+
+    Example:
+        >>> verify_model("tiny-gpt2", micro_batch=1, grad_accum=8, mode="normalised").status  # doctest: +SKIP
+        'PASS'
+    """
+    try:  # lazily: the registry pulls in optional model code (transformers)
+        from .models import load_model
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.models":
+            raise
+        raise AutobatchError("verify-ga --model needs autobatch.models, which this installation does not have") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the same random weights on every run with this seed
+        source = load_model(spec, **({} if seq_len is None else {"seq_len": seq_len}))
+    return verify_model_source(source, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
+                               mode=mode, tolerance=tolerance, seed=seed)

@@ -1,0 +1,58 @@
+"""recipes/plain_loop_ga.py runs as its header says: one process, and DDP with 2 gloo processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "plain_loop_ga.py"
+TIMEOUT_S = 60
+
+
+def run(args: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    # Own session, so that a hang kills torchrun's workers too, and only them.
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"{' '.join(args)} did not finish within {TIMEOUT_S} s") from None
+    assert proc.returncode == 0, out + err
+    return out
+
+
+def losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+
+
+def test_header_names_the_commands_this_test_runs() -> None:
+    header = RECIPE.read_text().split("from __future__")[0]
+    assert "python recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 4 --verify" in header
+    assert "torchrun --nproc-per-node 2 recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 2" in header
+
+
+def test_single_process_verifies_then_trains() -> None:
+    out = run([sys.executable, str(RECIPE), "--steps", "30", "--micro-batch", "2", "--grad-accum", "4", "--verify"])
+    assert "verify-ga: FAIL  (naive" in out and "verify-ga: PASS  (normalised" in out
+    assert "# 2 micro batch * 4 grad accum * 1 rank = 8 sequences per step" in out
+    trained = losses(out.split("sequences per step")[1])
+    assert len(trained) == 4 and trained[-1] < trained[0] * 0.6
+
+
+def test_ddp_with_two_gloo_processes() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={port}",
+               str(RECIPE), "--steps", "30", "--micro-batch", "2", "--grad-accum", "2"])
+    assert "# 2 micro batch * 2 grad accum * 2 ranks = 8 sequences per step" in out
+    trained = losses(out)
+    assert trained[-1] < trained[0] * 0.6

@@ -565,6 +565,11 @@ def check_setup(
     resolved = flags
     if ds_loaded is not None:
         ds_label, ds = ds_loaded
+        if ZERO_OPTIMIZATION not in ds and acc_loaded is None:
+            c.note(
+                f"{ds_label} has no {ZERO_OPTIMIZATION} section: plain deepspeed.initialize accepts that, "
+                f'HF Trainer and accelerate refuse it (add "{ZERO_OPTIMIZATION}": {{"stage": 0}})'
+            )
         values = _deepspeed_values(c, ds_label, ds)
         if values is not None:
             explicit = {slot: v for slot, v in zip(("target", "micro", "accum"), values.values()) if v != _AUTO}

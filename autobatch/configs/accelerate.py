@@ -5,8 +5,8 @@ no top-level key for it (its loader rejects unknown keys):
 
 - with DeepSpeed, the YAML points at the DeepSpeed JSON (``deepspeed_config_file``) and the
   accumulation lives in that JSON. accelerate refuses ``gradient_accumulation_steps`` (and
-  ``mixed_precision``) next to ``deepspeed_config_file``, so they are not repeated here, and it
-  requires a ``zero_optimization`` section in the JSON;
+  ``mixed_precision``) next to ``deepspeed_config_file``, so they are not repeated here; it also
+  requires a ``zero_optimization`` section in the JSON, which new autobatch DeepSpeed files have;
 - without DeepSpeed, the script passes ``Accelerator(gradient_accumulation_steps=N)``, or the
   launch line sets ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS=N`` (which ``Accelerator`` reads);
   the written YAML says so in a comment and :func:`~autobatch.configs.launch.accelerate_command`

@@ -45,24 +45,32 @@ ZERO_OPTIMIZATION = "zero_optimization"
 
 
 def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep_auto: bool = False) -> dict[str, Any]:
-    """The plan's three batch keys, optionally merged into an existing DeepSpeed config.
+    """The plan's three batch keys, merged into an existing DeepSpeed config or as a new one.
 
     Args:
         plan: The plan to write.
-        existing: A DeepSpeed config to update; every other key (and the key order) is kept and
-            the argument itself is not modified.
+        existing: A DeepSpeed config to update: only the three batch keys change, every other key
+            (and the key order) is kept, and the argument itself is not modified. Without it the
+            new config also holds ``"zero_optimization": {"stage": 0}`` (DeepSpeed's default),
+            because HF Trainer and accelerate refuse a DeepSpeed config without that section.
         keep_auto: Leave keys whose value is ``"auto"`` untouched (see the module docstring).
 
     Example:
         >>> from autobatch.plan import Plan
         >>> deepspeed_config(Plan(7, 2, gpus_per_node=16), {"zero_optimization": {"stage": 2}})
         {'zero_optimization': {'stage': 2}, 'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2}
+        >>> deepspeed_config(Plan(7, 2, gpus_per_node=16))
+        {'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2, 'zero_optimization': {'stage': 0}}
     """
-    config = copy.deepcopy(existing) if existing else {}
+    config = copy.deepcopy(existing) if existing is not None else {}
     for key, value in zip(BATCH_KEYS, (plan.global_batch, plan.micro_batch, plan.grad_accum)):
         if keep_auto and config.get(key) == "auto":
             continue
         config[key] = value
+    if existing is None:
+        # HF Trainer and accelerate refuse a DeepSpeed file without this section; stage 0 is
+        # DeepSpeed's own default, so it changes nothing else. Existing configs are left alone.
+        config[ZERO_OPTIMIZATION] = {"stage": 0}
     return config
 
 
@@ -89,12 +97,13 @@ def write_deepspeed_config(
     Args:
         plan: The plan to write.
         path: Output file. When it exists (and ``base`` is not given) it is updated in place:
-            only the three batch keys change.
+            only the three batch keys change. A new file is written as :func:`deepspeed_config`
+            makes a new config.
         base: Start from this config instead (e.g. a shared template), leaving it untouched.
         keep_auto: Leave ``"auto"`` values untouched (see the module docstring).
-        for_accelerate: The file will be named in an accelerate config. accelerate refuses a
-            DeepSpeed file without a ``zero_optimization`` section, so when there is none this
-            adds ``{"stage": 0}``, which is DeepSpeed's own default and changes nothing else.
+        for_accelerate: The file will be named in an accelerate config (or HF ``deepspeed=``):
+            an existing config without a ``zero_optimization`` section also gets
+            ``{"stage": 0}``, DeepSpeed's own default, because those libraries refuse one without.
 
     A file read as hjson is written back as plain JSON, so its comments are not kept.
 

@@ -1,0 +1,310 @@
+"""Config writers: one Plan, and each emitted file or line is accepted by the real library that reads it.
+
+Optional libraries are skipped cleanly when absent (CI installs them all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from autobatch.configs import (
+    accelerate_command,
+    accelerate_config,
+    deepspeed_config,
+    hf_flags,
+    hf_training_args,
+    lightning_settings,
+    read_config,
+    torchrun_command,
+    write_accelerate_config,
+    write_config,
+    write_deepspeed_config,
+)
+from autobatch.configs.files import ConfigFileError
+from autobatch.plan import Plan
+from autobatch.solver import solve
+
+PLANS = [
+    pytest.param(solve(224, 16, 1, max_micro=9), id="224-on-16"),
+    pytest.param(solve(512, 8, 2, max_micro=16), id="512-on-8x2"),
+    pytest.param(solve(14, 1, 1, max_micro=7), id="14-on-1"),
+    pytest.param(solve(224, 8, 2, max_micro=7, model_parallel=2), id="224-on-16-mp2"),
+]
+EXISTING = {
+    "fp16": {"enabled": True},
+    "train_batch_size": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+    "gradient_clipping": 1.0,
+}
+
+
+# --- DeepSpeed -------------------------------------------------------------------------------
+
+
+def test_deepspeed_merge_changes_only_the_batch_keys_and_keeps_order():
+    plan = Plan(7, 2, gpus_per_node=16)
+    before = json.loads(json.dumps(EXISTING))
+    merged = deepspeed_config(plan, EXISTING)
+    assert EXISTING == before, "the existing config must not be modified"
+    assert list(merged)[: len(EXISTING)] == list(EXISTING)
+    assert {k: v for k, v in merged.items() if k in EXISTING and not k.startswith("train_")} == {
+        k: v for k, v in EXISTING.items() if not k.startswith("train_")
+    }
+    assert (merged["train_batch_size"], merged["train_micro_batch_size_per_gpu"], merged["gradient_accumulation_steps"]) == (
+        224, 7, 2,
+    )
+
+
+def test_deepspeed_auto_is_replaced_by_default_and_kept_on_request():
+    plan = Plan(7, 2, gpus_per_node=16)
+    auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4}
+    assert deepspeed_config(plan, auto)["train_batch_size"] == 224
+    kept = deepspeed_config(plan, auto, keep_auto=True)
+    assert kept == {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2}
+
+
+def test_write_deepspeed_config_updates_a_file_in_place_and_leaves_a_template_alone(tmp_path):
+    plan = Plan(7, 2, gpus_per_node=16)
+    target = tmp_path / "ds.json"
+    target.write_text(json.dumps(EXISTING))
+    write_deepspeed_config(plan, target)
+    written = json.loads(target.read_text())
+    assert written["optimizer"] == EXISTING["optimizer"] and written["train_batch_size"] == 224
+
+    template = tmp_path / "template.json"
+    template.write_text(json.dumps({"bf16": {"enabled": True}}))
+    out = tmp_path / "sub" / "out.json"
+    write_deepspeed_config(plan, out, base=template)
+    assert json.loads(template.read_text()) == {"bf16": {"enabled": True}}
+    assert json.loads(out.read_text()) == {"bf16": {"enabled": True}, **plan.to_deepspeed({})}
+    # a new file gets DeepSpeed's default ZeRO section, which HF and accelerate insist on
+    fresh = tmp_path / "fresh.json"
+    write_deepspeed_config(plan, fresh)
+    assert json.loads(fresh.read_text())["zero_optimization"] == {"stage": 0}
+    # an existing file gains it only when it is meant for accelerate, and a ZeRO section is never replaced
+    write_deepspeed_config(plan, template, for_accelerate=True)
+    assert json.loads(template.read_text())["zero_optimization"] == {"stage": 0}
+    write_deepspeed_config(plan, target, for_accelerate=True)
+    assert json.loads(target.read_text())["zero_optimization"] == EXISTING["zero_optimization"]
+
+
+def test_read_config_errors_are_one_line(tmp_path):
+    cases = {
+        "missing.json": None,
+        "broken.json": '{"train_batch_size": 8,',
+        "list.json": "[1, 2]",
+        "dupe.json": '{"train_batch_size": 8, "train_batch_size": 16}',
+        "broken.yaml": "num_processes: [1,\n",
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(ConfigFileError) as info:
+            read_config(path)
+        assert "\n" not in str(info.value) and name in str(info.value)
+    assert "duplicate key 'train_batch_size'" in str(pytest.raises(ConfigFileError, read_config, tmp_path / "dupe.json").value)
+    with pytest.raises(ConfigFileError, match="name must end in .json, .yaml or .yml"):
+        write_config(tmp_path / "cfg.toml", {})
+
+
+def test_read_config_accepts_hjson_comments_like_deepspeed(tmp_path):
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // per-GPU batch\n  "train_micro_batch_size_per_gpu": 4\n}\n')
+    assert read_config(path) == {"train_micro_batch_size_per_gpu": 4}
+
+
+@pytest.fixture
+def deepspeed_parser(monkeypatch):
+    """DeepSpeed's own config parser, told the data-parallel world size without starting distributed.
+
+    DeepSpeedConfig first asks deepspeed.comm for the rank; with no process group that fails and it
+    falls back to world_size 1 even when an mpu is given. Reporting rank 0 lets it take the
+    data-parallel size from the mpu, which is exactly how it runs under Megatron-style parallelism.
+    """
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
+
+    def parse(config, world_size):
+        class Mpu:
+            def get_data_parallel_world_size(self):
+                return world_size
+
+        return ds_config.DeepSpeedConfig(config, mpu=Mpu())
+
+    return parse
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_deepspeed_parser_accepts_the_plan_for_its_world_size(plan, deepspeed_parser, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(EXISTING))
+    write_deepspeed_config(plan, path)
+    parsed = deepspeed_parser(str(path), plan.world_size)
+    assert parsed.world_size == plan.world_size
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (
+        plan.global_batch, plan.micro_batch, plan.grad_accum,
+    )
+    assert parsed.zero_optimization_stage == 2  # the rest of the file survived the merge
+    # the parser really checks: the same file on one more rank fails DeepSpeed's batch assertion
+    with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+        deepspeed_parser(str(path), plan.world_size + 1)
+
+
+# --- accelerate -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("use_deepspeed", [False, True], ids=["ddp", "deepspeed"])
+def test_accelerate_loader_reads_the_yaml(plan, use_deepspeed, tmp_path):
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    ds_path = tmp_path / "ds.json" if use_deepspeed else None
+    if ds_path is not None:
+        write_deepspeed_config(plan, ds_path)
+    yaml_path = tmp_path / "accelerate.yaml"
+    write_accelerate_config(plan, yaml_path, ds_path, main_process_ip="10.0.0.1")
+    assert yaml_path.read_text().startswith(f"# written by autobatch: {plan}\n")
+
+    loaded = config_args.load_config_from_file(str(yaml_path))
+    assert type(loaded).__name__ == "ClusterConfig"
+    assert (loaded.num_processes, loaded.num_machines) == (plan.num_processes, plan.nodes)
+    expected = "DEEPSPEED" if use_deepspeed else ("MULTI_GPU" if plan.num_processes > 1 else "NO")
+    assert loaded.distributed_type.value == expected
+    if use_deepspeed:
+        assert loaded.deepspeed_config["deepspeed_config_file"] == str(ds_path)
+        assert "gradient_accumulation_steps" not in loaded.deepspeed_config
+    else:
+        assert f"gradient_accumulation_steps={plan.grad_accum}" in yaml_path.read_text()
+
+
+def test_accelerate_launch_with_the_deepspeed_file_accepts_it_and_reads_the_accumulation(tmp_path, monkeypatch):
+    """Runs accelerate's own launch-argument validation and DeepSpeed plugin on the written files."""
+    launch = pytest.importorskip("accelerate.commands.launch")
+    utils = pytest.importorskip("accelerate.utils")
+    validate = getattr(launch, "_validate_launch_command", None)
+    if validate is None:
+        pytest.skip("this accelerate version has no _validate_launch_command")
+    plan = solve(224, 16, 1, max_micro=9)
+    ds_path, yaml_path = tmp_path / "ds.json", tmp_path / "accelerate.yaml"
+    write_deepspeed_config(plan, ds_path)
+    write_accelerate_config(plan, yaml_path, ds_path)
+    words = shlex.split(accelerate_command(plan, "train.py", config_file=yaml_path, deepspeed_config_file=ds_path))
+    assert words[:2] == ["accelerate", "launch"]
+    args, defaults, mixed_precision_from_config = validate(launch.launch_command_parser().parse_args(words[2:]))
+    assert args.use_deepspeed and args.num_processes == 16
+    # what `accelerate launch` hands the training process; the plugin raises on forbidden fields
+    fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", ",".join(fields))
+    plugin = utils.DeepSpeedPlugin(hf_ds_config=str(ds_path))
+    assert plugin.gradient_accumulation_steps == plan.grad_accum
+    assert plugin.hf_ds_config.config["train_micro_batch_size_per_gpu"] == plan.micro_batch
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_accelerate_command_parses_with_accelerates_own_parser(nodes):
+    launch = pytest.importorskip("accelerate.commands.launch")
+    plan = solve(256, 8, nodes, max_micro=16)
+    line = accelerate_command(plan, "train.py", ["--lr", "3e-4"])
+    env, *words = shlex.split(os.path.expandvars(line) if nodes == 1 else line.replace("$NODE_RANK", "1").replace(
+        "$MASTER_ADDR", "10.0.0.1"))
+    assert env == f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.grad_accum}"
+    args = launch.launch_command_parser().parse_args(words[2:])
+    assert (int(args.num_processes), int(args.num_machines), args.multi_gpu) == (plan.num_processes, nodes, True)
+    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "3e-4"]
+    if nodes > 1:
+        assert (int(args.machine_rank), args.main_process_ip, int(args.main_process_port)) == (1, "10.0.0.1", 29500)
+
+
+def test_accelerator_reads_the_accumulation_from_the_launch_environment():
+    """The variable accelerate_command sets is what Accelerator uses (fresh process: Accelerator is a singleton)."""
+    pytest.importorskip("accelerate")
+    code = "from accelerate import Accelerator; print(Accelerator(cpu=True).gradient_accumulation_steps)"
+    env = {**os.environ, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "3"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "3"
+
+
+# --- HF, Lightning, torchrun ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_training_arguments_accept_the_values_and_the_flags(plan, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(**plan.to_hf(), output_dir=str(tmp_path))
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (plan.micro_batch, plan.grad_accum)
+    parser = transformers.HfArgumentParser(transformers.TrainingArguments)
+    (parsed,) = parser.parse_args_into_dataclasses(args=[*hf_flags(plan), "--output_dir", str(tmp_path)])
+    assert (parsed.per_device_train_batch_size, parsed.gradient_accumulation_steps) == (plan.micro_batch, plan.grad_accum)
+
+
+def test_training_arguments_with_the_deepspeed_file_find_no_mismatch(tmp_path):
+    """HF compares every concrete DeepSpeed batch value with TrainingArguments (world size 1 here, on CPU)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    plan = solve(14, 1, 1, max_micro=7)
+    good, bad = tmp_path / "ds.json", tmp_path / "bad.json"
+    write_deepspeed_config(plan, good)
+    bad.write_text(json.dumps({**plan.to_deepspeed(), "train_micro_batch_size_per_gpu": 2}))
+    try:
+        args = transformers.TrainingArguments(**plan.to_hf(good), output_dir=str(tmp_path))
+        assert args.hf_deepspeed_config.mismatches == []
+        args = transformers.TrainingArguments(**plan.to_hf(bad), output_dir=str(tmp_path))
+        assert any("train_micro_batch_size_per_gpu=2" in m for m in args.hf_deepspeed_config.mismatches)
+    finally:
+        unset_hf_deepspeed_config()
+
+
+@pytest.mark.parametrize("plan", PLANS[:2])
+def test_lightning_trainer_takes_the_settings(plan):
+    lightning = pytest.importorskip("lightning")
+    settings = lightning_settings(plan)
+    trainer = lightning.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **settings["trainer"],
+    )
+    assert trainer.accumulate_grad_batches == plan.grad_accum
+    assert (trainer.num_devices, trainer.num_nodes, trainer.world_size) == (plan.gpus_per_node, plan.nodes, plan.num_processes)
+    assert settings["dataloader"]["batch_size"] * trainer.accumulate_grad_batches * trainer.world_size == plan.global_batch
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_torchrun_command_parses_with_torchruns_own_parser(plan):
+    run = pytest.importorskip("torch.distributed.run")
+    line = torchrun_command(plan, "train.py", hf_flags(plan))
+    words = shlex.split(line.replace("$NODE_RANK", "0").replace("$MASTER_ADDR", "10.0.0.1"))
+    assert words[0] == "torchrun"
+    args = run.get_args_parser().parse_args(words[1:])
+    assert int(args.nproc_per_node) == plan.gpus_per_node
+    assert args.standalone == (plan.nodes == 1)
+    if plan.nodes > 1:
+        assert (args.nnodes, args.node_rank, args.master_addr) == (str(plan.nodes), 0, "10.0.0.1")
+    assert args.training_script == "train.py" and args.training_script_args == hf_flags(plan)
+
+
+def test_shell_placeholders_stay_unquoted_and_paths_are_quoted():
+    plan = Plan(4, 2, gpus_per_node=8, nodes=2)
+    line = torchrun_command(plan, "my train.py")
+    assert "--node_rank $NODE_RANK" in line and "--master_addr $MASTER_ADDR" in line
+    assert "'my train.py'" in line
+
+
+def test_hf_and_accelerate_values_for_deepspeed_point_at_the_same_file():
+    plan = Plan(7, 2, gpus_per_node=16)
+    assert hf_training_args(plan, "ds.json")["deepspeed"] == "ds.json"
+    assert accelerate_config(plan, "ds.json")["deepspeed_config"]["deepspeed_config_file"] == "ds.json"
+    assert "mixed_precision" not in accelerate_config(plan, "ds.json")
+    line = accelerate_command(plan, "train.py", deepspeed_config_file="ds.json")
+    assert line.startswith("accelerate launch") and "--deepspeed_config_file ds.json" in line
+    assert yaml.safe_load(yaml.safe_dump(accelerate_config(plan))) == accelerate_config(plan)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -211,26 +213,88 @@ def test_hf_num_items_in_batch_is_the_helpers_count() -> None:
         assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
 
 
-def test_hf_compute_loss_func_from_the_docs_matches_the_big_batch() -> None:
-    """docs: a ``compute_loss_func`` built on the helper, called as Trainer calls it under GA."""
-    model, batch = tiny_gpt2(), padded_lm_batch(8, 16, 97)
+def compute_loss_func(outputs, labels, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+    """docs: Trainer(compute_loss_func=...). Trainer already summed the count over GA and devices,
+    and multiplies by the process count itself, so world_size stays 1 here."""
+    norm = LossNormaliser(total=int(num_items_in_batch))
+    return norm.token_loss(*token_cross_entropy(outputs.logits, labels, shift=True))
 
-    def compute_loss_func(outputs, labels, num_items_in_batch=None):  # type: ignore[no-untyped-def]
-        norm = LossNormaliser(total=int(num_items_in_batch))
-        return norm.token_loss(*token_cross_entropy(outputs.logits, labels, shift=True))
 
-    model.zero_grad(set_to_none=True)
-    model(**batch).loss.backward()
-    big = grads(model)
-    model.zero_grad(set_to_none=True)
-    micro_batches = split_batch(batch, 2)
-    # What Trainer passes: the shifted labels' count over all GA micro-batches.
-    num_items = sum(int((mb["labels"][..., 1:] != -100).sum()) for mb in micro_batches)
-    for mb in micro_batches:
-        labels = mb["labels"]
-        outputs = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
-        compute_loss_func(outputs, labels, num_items_in_batch=num_items).backward()
-    assert rel_error(grads(model), big) <= 1e-5
+def helper_trainer_class():  # type: ignore[no-untyped-def]
+    from transformers import Trainer
+
+    class HelperTrainer(Trainer):
+        """docs: a compute_loss override; the base class's ×num_processes is not applied, so we do it."""
+
+        loss_is_scaled_for_ga = True  # normalised over the whole accumulated batch: no "/ GA" by Trainer
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            norm = LossNormaliser(total=int(num_items_in_batch), world_size=self.accelerator.num_processes)
+            loss = norm.token_loss(*token_cross_entropy(outputs.logits, labels, shift=True))
+            return (loss, outputs) if return_outputs else loss
+
+    return HelperTrainer
+
+
+def trainer_step_error(model: torch.nn.Module, batch: dict[str, torch.Tensor], tmp_path, path: str) -> float:  # type: ignore[no-untyped-def]
+    """One real Trainer step (SGD, lr 1, no clipping) of 2 per device × GA 4: -Δparams is the gradient."""
+    transformers = pytest.importorskip("transformers")
+    reference = copy.deepcopy(model)
+    reference(**batch).loss.backward()
+    big = grads(reference)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {k: v[i] for k, v in batch.items()}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=1,
+        optim="sgd", learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant", weight_decay=0.0,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+    )
+    cls = helper_trainer_class() if path == "subclass" else transformers.Trainer
+    extra = {"compute_loss_func": compute_loss_func} if path == "compute_loss_func" else {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: extra threads only fight over a shared CPU
+    try:
+        cls(model=model, args=args, train_dataset=Rows(), **extra).train()
+    finally:
+        torch.set_num_threads(threads)
+    step = before - torch.cat([p.detach().flatten() for p in model.parameters()])
+    return rel_error(step, big)
+
+
+def tiny_llama():  # type: ignore[no-untyped-def]
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=97, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("path", ["default", "compute_loss_func", "subclass"])
+def test_hf_trainer_under_ga_matches_the_big_batch(tmp_path, path: str) -> None:  # type: ignore[no-untyped-def]
+    """docs: the model's own loss, compute_loss_func and a compute_loss override, in a real Trainer step."""
+    assert trainer_step_error(tiny_llama(), padded_lm_batch(8, 32, 97), tmp_path, path) <= 1e-5
+
+
+def test_hf_trainer_counts_gpt2_labels_unshifted_unless_loss_type_is_set(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """docs: GPT2LMHeadModel has no loss_type, so Trainer over-counts num_items_in_batch by one per sequence."""
+    batch = padded_lm_batch(8, 32, 97)
+    shifted, unshifted = int((batch["labels"][:, 1:] != -100).sum()), int((batch["labels"] != -100).sum())
+    error = trainer_step_error(tiny_gpt2(), batch, tmp_path, "compute_loss_func")
+    assert error == pytest.approx(1 - shifted / unshifted, rel=1e-3)  # a pure scale: 128 / 136 here
+    model = tiny_gpt2()
+    model.loss_type = "ForCausalLM"  # the fix the docs give
+    assert trainer_step_error(model, batch, tmp_path, "compute_loss_func") <= 1e-5
 
 
 def test_accelerate_loop_from_the_docs_matches_the_big_batch() -> None:

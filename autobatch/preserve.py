@@ -28,7 +28,7 @@ def borrowed_model(
     buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
     grads = {name: (p.grad, p.requires_grad) for name, p in params.items()}
     modes = [(module, module.training) for module in model.modules()]
-    checkpointing_before = bool(getattr(model, "is_gradient_checkpointing", False))
+    checkpointing_before = _checkpointing_on(model)
     # Per tensor: ("copy", CPU copy) when trained in place on the device, ("moved", original) when
     # a copy is trained on the device instead. Keyed by name: ``p.data`` is a new object each time.
     param_saves: dict[str, tuple[str, torch.Tensor]] = {}
@@ -73,6 +73,14 @@ def borrowed_model(
                     module._buffers[name] = give_back(save, module._buffers[name])
             for module, training in modes:
                 module.training = training
+
+
+def _checkpointing_on(model: torch.nn.Module) -> bool:
+    # Newer transformers renamed the flag and warns on the old name; read whichever exists.
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in vars(model):
+            return bool(getattr(model, name))
+    return False
 
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:

@@ -1,0 +1,278 @@
+"""Models by name: built-in configs (random weights, no download), ``hf:NAME_OR_DIR``, or your own.
+
+* built-in names (``autobatch models`` lists them): ``gpt2`` … ``gpt2-xl``, ``llama-1b``, ``bert-base``
+  and tiny variants for tests and CPU runs;
+* ``hf:NAME_OR_DIR``: a transformers config (a local directory works offline; remote code only
+  with ``trust_remote_code=True``);
+* ``path/to/file.py:fn`` or ``package.module:fn``: ``fn()`` returns an ``nn.Module`` (trained as a
+  classifier on random inputs of ``input_shape``) or a complete :class:`~autobatch.Workload`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import AutobatchError, MissingDependencyError
+from .workload import Workload, default_loss
+
+__all__ = ["ModelSource", "BUILTIN_MODELS", "load_model", "list_models", "count_parameters"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model and the batches it trains on, as a probe needs them."""
+
+    name: str
+    model: torch.nn.Module
+    make_batch: Callable[[int], Any]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss
+    task: str = "causal-lm"          # "causal-lm", "masked-lm" or "classification"
+    seq_len: int | None = None
+    vocab_size: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    workload: Workload | None = None  # when the user's function returned a whole Workload
+
+    def to_workload(self, **settings: Any) -> Workload:
+        """A :class:`Workload` with these settings (optimizer, dtype, grad_checkpointing, …)."""
+        if self.workload is not None:
+            return Workload(**{**self.workload.__dict__, **settings})
+        return Workload(self.model, self.make_batch, loss_fn=self.loss_fn, name=self.name, **settings)
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    family: str                 # "gpt2", "llama", "bert", "mlp", "cnn"
+    config: dict[str, Any]
+    seq_len: int                # default worst-case sequence length
+    description: str
+
+
+_LLAMA_1B = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True,
+    rope_theta=500000.0,
+)
+BUILTIN_MODELS: dict[str, _Builtin] = {
+    "gpt2": _Builtin("gpt2", {}, 1024, "GPT-2 small, 124M"),
+    "gpt2-medium": _Builtin("gpt2", dict(n_embd=1024, n_layer=24, n_head=16), 1024, "GPT-2 medium, 355M"),
+    "gpt2-large": _Builtin("gpt2", dict(n_embd=1280, n_layer=36, n_head=20), 1024, "GPT-2 large, 774M"),
+    "gpt2-xl": _Builtin("gpt2", dict(n_embd=1600, n_layer=48, n_head=25), 1024, "GPT-2 XL, 1.5B"),
+    "llama-1b": _Builtin("llama", _LLAMA_1B, 2048, "Llama-3.2-1B-style decoder (GQA, RoPE, SwiGLU)"),
+    "bert-base": _Builtin("bert", {}, 512, "BERT base encoder, masked LM"),
+    "tiny-gpt2": _Builtin("gpt2", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=256, n_positions=128), 64,
+                          "2-layer GPT-2 for tests and CPU runs"),
+    "tiny-llama": _Builtin("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                         max_position_embeddings=128), 64, "2-layer Llama-style decoder"),
+    "tiny-bert": _Builtin("bert", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, vocab_size=256, max_position_embeddings=128), 64,
+                          "2-layer BERT encoder"),
+    "tiny-mlp": _Builtin("mlp", {}, 0, "3-layer MLP classifier on 64 features"),
+    "tiny-cnn": _Builtin("cnn", {}, 0, "conv net with BatchNorm on 3×32×32 images (needs batch ≥ 2)"),
+}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise MissingDependencyError(
+            "this model needs transformers, which is not installed; pip install 'autobatch[hf]'"
+        ) from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _hf_config(spec: _Builtin) -> Any:
+    tf = _transformers()
+    cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig, "bert": tf.BertConfig}[spec.family]
+    return cls(**spec.config)
+
+
+def _hf_model(config: Any, family: str, trust_remote_code: bool = False) -> tuple[torch.nn.Module, str]:
+    tf = _transformers()
+    if family == "bert" or getattr(config, "model_type", "") in ("bert", "roberta", "distilbert", "deberta-v2"):
+        return tf.AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code), "masked-lm"
+    try:
+        return tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code), "causal-lm"
+    except ValueError:
+        return tf.AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code), "masked-lm"
+
+
+def _max_positions(config: Any) -> int | None:
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _lm_batches(vocab_size: int, seq_len: int, task: str) -> Callable[[int], dict[str, torch.Tensor]]:
+    def make_batch(b: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab_size, (b, seq_len))
+        # Full-length sequences: the worst case a padded batch can reach.
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    return make_batch
+
+
+def _lm_source(name: str, config: Any, family: str, seq_len: int | None, default_seq: int,
+               trust_remote_code: bool = False) -> ModelSource:
+    seq = default_seq if seq_len is None else seq_len
+    limit = _max_positions(config)
+    if seq < 1 or (limit is not None and seq > limit):
+        raise AutobatchError(
+            f"seq_len must be between 1 and the model's {limit} positions, but got seq_len={seq}; pass a shorter --seq-len"
+        )
+    model, task = _hf_model(config, family, trust_remote_code)
+    return ModelSource(name, model, _lm_batches(config.vocab_size, seq, task), task=task, seq_len=seq,
+                       vocab_size=config.vocab_size)
+
+
+def _classifier(name: str, model: torch.nn.Module, input_shape: tuple[int, ...], num_classes: int) -> ModelSource:
+    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(b, *input_shape), torch.randint(0, num_classes, (b,))
+
+    return ModelSource(name, model, make_batch, task="classification", input_shape=input_shape)
+
+
+def _tiny_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                               torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def _tiny_cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1, stride=2), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10),
+    )
+
+
+def _parse_shape(input_shape: str | tuple[int, ...] | None) -> tuple[int, ...] | None:
+    if input_shape is None or isinstance(input_shape, tuple):
+        return input_shape
+    try:
+        shape = tuple(int(part) for part in input_shape.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise AutobatchError(
+            f"input shape must be positive integers separated by commas, but got {input_shape!r}; write e.g. 3,224,224"
+        )
+    return shape
+
+
+def _import_function(spec: str) -> Callable[[], Any]:
+    target, _, attr = spec.rpartition(":")
+    try:
+        if target.endswith(".py") or "/" in target:
+            path = Path(target)
+            if not path.is_file():
+                raise AutobatchError(f"model file {target!r} does not exist; pass path/to/file.py:function")
+            module_name = f"autobatch_user_{abs(hash(path.resolve()))}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        raise AutobatchError(f"cannot import {target!r} for --model {spec!r}: {exc}; check the module path") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise AutobatchError(f"{target!r} has no function {attr!r}; --model takes module:function or file.py:function")
+    return fn
+
+
+def load_model(
+    spec: str,
+    *,
+    seq_len: int | None = None,
+    input_shape: str | tuple[int, ...] | None = None,
+    num_classes: int = 10,
+    trust_remote_code: bool = False,
+) -> ModelSource:
+    """Build the model named by ``spec`` with random weights, and its batches.
+
+    Args:
+        spec: a built-in name, ``hf:NAME_OR_DIR``, ``file.py:fn`` or ``module:fn``.
+        seq_len: tokens per sample for language models (default: the model's usual length).
+        input_shape: per-sample input shape for your own ``nn.Module`` (e.g. ``"3,224,224"``).
+        num_classes: classes for the classification loss of your own ``nn.Module``.
+        trust_remote_code: allow transformers to run code shipped with an ``hf:`` model.
+
+    Example:
+        >>> source = load_model("tiny-gpt2", seq_len=16)
+        >>> source.make_batch(2)["input_ids"].shape
+        torch.Size([2, 16])
+    """
+    if spec in BUILTIN_MODELS:
+        builtin = BUILTIN_MODELS[spec]
+        if builtin.family == "mlp":
+            return _classifier(spec, _tiny_mlp(), (64,), 10)
+        if builtin.family == "cnn":
+            return _classifier(spec, _tiny_cnn(), (3, 32, 32), 10)
+        return _lm_source(spec, _hf_config(builtin), builtin.family, seq_len, builtin.seq_len)
+    if spec.startswith("hf:"):
+        name = spec[3:]
+        tf = _transformers()
+        try:
+            config = tf.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise AutobatchError(
+                f"cannot read a transformers config from {name!r} ({first}); pass a local directory with "
+                "config.json (works offline), and --trust-remote-code only for code you trust"
+            ) from None
+        return _lm_source(spec, config, getattr(config, "model_type", ""), seq_len, min(_max_positions(config) or 1024, 1024),
+                          trust_remote_code)
+    if ":" in spec:
+        built = _import_function(spec)()
+        if isinstance(built, Workload):
+            model = built.model if isinstance(built.model, torch.nn.Module) else built.model()
+            return ModelSource(spec, model, built.make_batch, built.loss_fn, task="custom", workload=built)
+        if not isinstance(built, torch.nn.Module):
+            raise AutobatchError(
+                f"{spec} must return a torch.nn.Module or an autobatch.Workload, but returned {type(built).__name__}"
+            )
+        shape = _parse_shape(input_shape)
+        if shape is None:
+            raise AutobatchError(
+                f"{spec} returned an nn.Module, so the input shape per sample is needed; pass --input-shape, e.g. 3,224,224"
+            )
+        return _classifier(spec, built, shape, num_classes)
+    raise AutobatchError(
+        f"unknown model {spec!r}; built-in models are {', '.join(BUILTIN_MODELS)}; "
+        "or pass hf:NAME_OR_DIR, path/to/file.py:function or package.module:function"
+    )
+
+
+def count_parameters(name: str) -> int:
+    """Parameters of a built-in model, counted on the meta device (no memory, no download)."""
+    builtin = BUILTIN_MODELS[name]
+    if builtin.family == "mlp":
+        model = _tiny_mlp()
+    elif builtin.family == "cnn":
+        model = _tiny_cnn()
+    else:
+        with torch.device("meta"):
+            model, _ = _hf_model(_hf_config(builtin), builtin.family)
+    return sum(p.numel() for p in model.parameters())
+
+
+def list_models() -> list[dict[str, Any]]:
+    """Name, family, default sequence length, parameter count and description of each built-in."""
+    return [
+        {"name": name, "family": b.family, "seq_len": b.seq_len or None, "parameters": count_parameters(name),
+         "description": b.description}
+        for name, b in BUILTIN_MODELS.items()
+    ]

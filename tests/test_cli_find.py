@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autobatch import SimulatedBackend, probe
+from autobatch.cli import app
+from autobatch.models import load_model
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_find_gives_the_exact_max_and_a_consistent_plan():
+    res = invoke("find", "--model", "tiny-gpt2", "--target", "96", "--device", "cpu", "--memory", "8MiB", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    direct = probe(load_model("tiny-gpt2").to_workload(), SimulatedBackend("8MiB"))
+    assert out["max_micro"] == direct.max_batch
+    assert out["safe_micro"] == direct.safe_batch
+    assert out["micro_batch"] * out["grad_accum"] * out["world_size"] == out["global_batch"] == 96
+    assert out["micro_batch"] <= out["safe_micro"]
+    assert out["estimated"] is False
+    assert {"batch", "fits", "peak_bytes"} <= set(out["trials"][0])
+    fits = [t for t in out["trials"] if t["fits"]]
+    fails = [t for t in out["trials"] if not t["fits"]]
+    assert max(t["batch"] for t in fits) == out["max_micro"]
+    assert min(t["batch"] for t in fails) == out["max_micro"] + 1
+
+
+def test_find_prints_device_trials_and_plan_arithmetic():
+    res = invoke("find", "--model", "tiny-mlp", "--target", "300", "--gpus", "4", "--device", "cpu", "--memory", "3MiB")
+    assert res.exit_code == 0, res.output
+    for text in ("device: cpu (simulated 3.00 MiB)", "trials", "max batch", "safe batch", "× 4 GPUs", "= 300"):
+        assert text in res.stdout
+
+
+def test_find_writes_configs_and_merges_deepspeed(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": 7}))
+    acc, hf = tmp_path / "acc.yaml", tmp_path / "args.json"
+    res = invoke("find", "--model", "tiny-gpt2", "--target", "64", "--device", "cpu", "--memory", "8MiB",
+                 "--deepspeed", str(ds), "--accelerate", str(acc), "--hf", str(hf))
+    assert res.exit_code == 0, res.output
+    config = json.loads(ds.read_text())
+    assert config["zero_optimization"] == {"stage": 2}
+    assert config["train_batch_size"] == 64
+    assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] == 64
+    args = json.loads(hf.read_text())
+    assert args["per_device_train_batch_size"] == config["train_micro_batch_size_per_gpu"]
+    assert acc.exists() and "deepspeed_config_file" in acc.read_text()  # GA lives in the DeepSpeed file
+
+
+def test_own_model_from_a_file(tmp_path):
+    file = tmp_path / "mymodel.py"
+    file.write_text(textwrap.dedent("""
+        import torch
+        def build():
+            return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 5))
+    """))
+    res = invoke("find", "--model", f"{file}:build", "--input-shape", "3,8,8", "--num-classes", "5",
+                 "--device", "cpu", "--memory", "2MiB", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["max_micro"] > 1
+
+
+def test_hf_config_directory_works_offline(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=64).save_pretrained(tmp_path)
+    res = invoke("find", "--model", f"hf:{tmp_path}", "--seq-len", "32", "--device", "cpu", "--memory", "4MiB", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["max_micro"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "gpt5", "--device", "cpu", "--memory", "1GiB"], "unknown model 'gpt5'; built-in models are gpt2"),
+        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "lots"], "memory must be a number with an optional unit"),
+        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "0"], "target must be a positive integer"),
+        (["--model", "missing.py:build", "--device", "cpu", "--memory", "2MiB"], "model file 'missing.py' does not exist"),
+        (["--model", "tiny-mlp", "--device", "cpu"], "needs a simulated memory budget"),
+        (["--model", "tiny-gpt2", "--seq-len", "4096", "--device", "cpu", "--memory", "2MiB"], "seq_len must be between 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args, message):
+    res = invoke("find", *args)
+    assert res.exit_code == 2
+    assert message in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in res.output
+
+
+def test_no_gpu_and_no_device_says_what_to_pass():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    res = invoke("find", "--model", "tiny-mlp")
+    assert res.exit_code != 0
+    assert "--device cpu --memory" in res.stderr and "Traceback" not in res.output
+
+
+def test_find_as_a_subprocess():
+    proc = subprocess.run(
+        [sys.executable, "-m", "autobatch", "find", "--model", "tiny-mlp", "--target", "100", "--device", "cpu",
+         "--memory", "3MiB", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["global_batch"] == 100
+
+
+def test_bad_input_as_a_subprocess_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "autobatch", "find", "--model", "nope", "--device", "cpu", "--memory", "1GiB"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("Error: unknown model")
+
+
+def test_models_lists_builtins_with_parameter_counts():
+    res = invoke("models", "--json")
+    assert res.exit_code == 0
+    rows = {row["name"]: row for row in json.loads(res.stdout)}
+    assert rows["gpt2"]["parameters"] == 124_439_808
+    assert {"gpt2-medium", "gpt2-large", "gpt2-xl", "llama-1b", "bert-base"} <= set(rows)
+    assert invoke("models").exit_code == 0
+
+
+def test_python_api_in_three_lines_leaves_the_model_unchanged():
+    import autobatch
+
+    model = torch.nn.Linear(64, 10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = autobatch.find(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), target=96,
+                          device="cpu", memory="64KiB", headroom=0)
+    assert plan.micro_batch * plan.grad_accum == 96
+    assert plan.to_deepspeed()["train_batch_size"] == 96
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

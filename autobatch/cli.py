@@ -97,6 +97,312 @@ def verify_ga_command(
         raise typer.Exit(result.exit_code)
 
 
+# --- solve / check --------------------------------------------------------------------------
+# --gpus is GPUs per node in both commands (the world size is --gpus × --nodes).
+
+
+@command("solve")
+def solve_command(
+    target: int = typer.Option(..., "--target", help="Global batch per optimizer step."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
+    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
+    max_micro: int | None = typer.Option(None, "--max-micro", help="Largest per-GPU batch that fits in memory."),
+    min_micro: int = typer.Option(1, "--min-micro", help="Smallest per-GPU batch; 2 for BatchNorm models."),
+    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
+    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
+    base_lr: float | None = typer.Option(None, "--base-lr", help="Learning rate tuned at --base-batch."),
+    base_batch: int | None = typer.Option(None, "--base-batch", help="Global batch --base-lr was tuned at."),
+    deepspeed: str | None = typer.Option(
+        None, "--deepspeed", help="Write the batch keys into this DeepSpeed JSON (other keys are kept)."
+    ),
+    accelerate: str | None = typer.Option(None, "--accelerate", help="Write an accelerate config YAML here."),
+    keep_auto: bool = typer.Option(False, "--keep-auto", help='Leave "auto" values in the DeepSpeed JSON.'),
+    script: str = typer.Option("train.py", "--script", help="Training script shown in the launch lines."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Micro batch × gradient accumulation × GPUs = --target exactly; write the configs."""
+    import json
+
+    from .configs import write_accelerate_config, write_deepspeed_config
+    from .solver import solve
+
+    plan = solve(
+        target, gpus, nodes, max_micro, min_micro=min_micro, multiple_of=multiple_of,
+        model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch,
+    )
+    written: dict[str, str] = {}
+    if deepspeed is not None:
+        write_deepspeed_config(plan, deepspeed, keep_auto=keep_auto, for_accelerate=accelerate is not None)
+        written["deepspeed_config"] = str(deepspeed)
+    if accelerate is not None:
+        write_accelerate_config(plan, accelerate, deepspeed)
+        written["accelerate_config"] = str(accelerate)
+    if as_json:
+        typer.echo(json.dumps({**plan.to_dict(), **written}, indent=2))
+        return
+    hf = plan.hf_flags(deepspeed)
+    lightning = plan.to_lightning()
+    trainer = ", ".join(f"{k}={v}" for k, v in lightning["trainer"].items())
+    typer.echo(plan.describe())
+    typer.echo(f"HF TrainingArguments: {' '.join(hf)}")
+    typer.echo(f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})")
+    typer.echo(f"torchrun: {plan.torchrun_command(script)}")
+    if accelerate is not None:
+        typer.echo(f"accelerate: {plan.accelerate_command(script, config_file=accelerate, deepspeed_config_file=deepspeed)}")
+    for kind, path in written.items():
+        typer.echo(f"wrote {path} ({kind.replace('_', ' ')})")
+
+
+@command("check")
+def check_command(
+    target: int | None = typer.Option(None, "--target", help="Global batch per optimizer step."),
+    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Per-GPU batch (per_device_train_batch_size)."),
+    grad_accum: int | None = typer.Option(None, "--grad-accum", help="Gradient accumulation steps."),
+    gpus: int | None = typer.Option(
+        None, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes). Default: from --accelerate, else 1."
+    ),
+    nodes: int | None = typer.Option(None, "--nodes", help="Number of nodes. Default: from --accelerate, else 1."),
+    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
+    deepspeed: str | None = typer.Option(None, "--deepspeed", help="DeepSpeed JSON to check."),
+    accelerate: str | None = typer.Option(None, "--accelerate", help="accelerate config YAML to check."),
+    batchnorm: bool = typer.Option(False, "--batchnorm", help="The model has BatchNorm (needs ≥ 2 samples per GPU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Report every batch-size problem in a setup before launch, each with its fix. Exit 1 if any."""
+    import json
+
+    from .check import check_setup
+
+    result = check_setup(
+        target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
+        model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
+    )
+    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.report())
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+# --- find / models ------------------------------------------------------------------------
+
+
+def _headroom(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # "5%" or "2GiB": resolved by the library, which explains a bad value
+
+
+def _trial_table(finding: Any) -> Any:
+    from rich.table import Table
+
+    from .units import format_bytes
+
+    table = Table(title="trials", title_justify="left")
+    for column in ("batch", "fits", "peak", "reserved", "fwd+bwd", "optimizer", "s/step"):
+        table.add_column(column, justify="right")
+    for t in finding.probe.trials:
+        table.add_row(
+            str(t.batch), "yes" if t.fits else "OOM", format_bytes(t.peak_bytes), format_bytes(t.reserved_bytes),
+            format_bytes(t.forward_backward_bytes), format_bytes(t.optimizer_bytes),
+            "-" if t.seconds_per_step is None else f"{t.seconds_per_step:.3f}",
+        )
+    return table
+
+
+def _device_line(info: Any) -> str:
+    from .units import format_bytes
+
+    others = "" if info.used_by_others_bytes is None else f", {format_bytes(info.used_by_others_bytes)} held by other processes"
+    return (f"device: {info.name} on {info.host}: total {format_bytes(info.total_bytes)}, "
+            f"free {format_bytes(info.free_bytes)}{others}, capacity for the probe {format_bytes(info.capacity_bytes)}")
+
+
+@command("find")
+def find_command(
+    model: str = typer.Option(..., "--model", help="Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn."),
+    target: int | None = typer.Option(None, "--target", help="Global batch per optimizer step (default: the safe batch on every GPU)."),
+    gpus: int | None = typer.Option(None, "--gpus", help="GPUs per node (default: the GPUs visible here; 1 on CPU)."),
+    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
+    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sample, the longest you train on."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (autocast)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam, sgd, sgd-nomomentum or adafactor."),
+    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Probe with gradient checkpointing on."),
+    headroom: str = typer.Option("5%", "--headroom", help="Memory kept free for the safe batch: 5%, 0.05 or 2GiB."),
+    max_batch: int | None = typer.Option(None, "--max-batch", help="Never probe above this batch."),
+    min_micro: int | None = typer.Option(None, "--min-micro", help="Smallest per-GPU batch (default 2 with BatchNorm, else 1)."),
+    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
+    device: str | None = typer.Option(None, "--device", help="cuda, cuda:N, or cpu (with --memory: simulated budget)."),
+    memory: str | None = typer.Option(None, "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB."),
+    input_shape: str | None = typer.Option(None, "--input-shape", help="Per-sample input shape for your own nn.Module, e.g. 3,224,224."),
+    num_classes: int = typer.Option(10, "--num-classes", help="Classes for your own nn.Module's loss."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Let an hf: model run its own code."),
+    deepspeed: str | None = typer.Option(None, "--deepspeed", help="Write the batch keys into this DeepSpeed JSON (other keys kept)."),
+    accelerate: str | None = typer.Option(None, "--accelerate", help="Write an accelerate config YAML here."),
+    hf: str | None = typer.Option(None, "--hf", help="Write HF TrainingArguments values (JSON) here."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Probe the largest per-GPU batch with real training steps, then plan --target exactly."""
+    import json
+
+    import torch
+    from rich.console import Console
+
+    from .configs import write_accelerate_config, write_deepspeed_config
+    from .find import find_plan
+    from .models import load_model
+    from .probe import make_backend
+
+    if device is None and memory is None and not torch.cuda.is_available():
+        fail("no CUDA GPU here, and estimates for a named GPU are not available yet; "
+             "probe on a simulated budget instead: --device cpu --memory 8GiB (real training steps on the CPU)")
+    backend = make_backend(device or ("cpu" if memory is not None else None), memory)
+    source = load_model(model, seq_len=seq_len, input_shape=input_shape, num_classes=num_classes,
+                        trust_remote_code=trust_remote_code)
+    workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
+    console = Console(stderr=True)
+    with console.status("probing…") as status:
+        def progress(trial: Any) -> None:
+            status.update(f"probing… batch {trial.batch} {'fits' if trial.fits else 'is out of memory'}")
+
+        finding = find_plan(workload, target=target, gpus_per_node=gpus, nodes=nodes, model_parallel=model_parallel,
+                            backend=backend, headroom=_headroom(headroom), max_batch=max_batch, min_micro=min_micro,
+                            multiple_of=multiple_of, on_trial=progress)
+    plan = finding.plan
+    written: dict[str, str] = {}
+    if deepspeed is not None:
+        write_deepspeed_config(plan, deepspeed, for_accelerate=accelerate is not None)
+        written["deepspeed_config"] = deepspeed
+    if accelerate is not None:
+        write_accelerate_config(plan, accelerate, deepspeed)
+        written["accelerate_config"] = accelerate
+    if hf is not None:
+        with open(hf, "w") as handle:
+            json.dump(plan.to_hf(deepspeed), handle, indent=2)
+        written["hf_args"] = hf
+    if as_json:
+        typer.echo(json.dumps({**finding.to_dict(), **written}, indent=2))
+        return
+    out = Console()
+    out.print(_device_line(finding.probe.device), highlight=False)
+    out.print(_trial_table(finding))
+    out.print(str(finding.probe), highlight=False)
+    out.print("plan: " + plan.describe(), highlight=False)
+    out.print(f"HF TrainingArguments: {' '.join(plan.hf_flags(deepspeed))}", highlight=False)
+    for kind, path in written.items():
+        out.print(f"wrote {path} ({kind.replace('_', ' ')})", highlight=False)
+
+
+@command("models")
+def models_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """List the built-in models (random weights, built from configs: nothing is downloaded)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models import list_models
+
+    rows = list_models()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="built-in models (or pass hf:NAME_OR_DIR, file.py:fn, module:fn)", title_justify="left")
+    for column in ("name", "parameters", "seq len", "description"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], f"{row['parameters'] / 1e6:,.1f}M", str(row["seq_len"] or "-"), row["description"])
+    Console().print(table)
+
+
+# --- estimate / gpus ------------------------------------------------------------------------
+# Estimates trace the training step on fake tensors for a named GPU: no GPU is needed or used.
+
+
+@command("estimate")
+def estimate_command(
+    model: str = typer.Option(..., "--model", help="Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn."),
+    gpu: str = typer.Option("a100-80gb", "--gpu", help="GPU to estimate for (see `autobatch gpus`); default a100-80gb."),
+    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Total memory of a GPU not in the catalogue, e.g. 40GiB."),
+    target: int | None = typer.Option(None, "--target", help="Global batch per optimizer step: plan it with the estimated safe batch."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
+    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
+    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
+    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sample, the longest you train on."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (autocast)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam, sgd, sgd-nomomentum or adafactor."),
+    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Trace with gradient checkpointing on."),
+    headroom: str = typer.Option("5%", "--headroom", help="Memory kept free for the safe batch: 5%, 0.05 or 2GiB."),
+    max_batch: int | None = typer.Option(None, "--max-batch", help="Never estimate above this batch."),
+    min_micro: int | None = typer.Option(None, "--min-micro", help="Smallest per-GPU batch (default 2 with BatchNorm, else 1)."),
+    fragmentation: float = typer.Option(1.05, "--fragmentation", help="Allocator reserved/allocated ratio assumed."),
+    workspace: str = typer.Option("64MiB", "--workspace", help="cuBLAS/cuDNN workspaces assumed."),
+    deepspeed: str | None = typer.Option(None, "--deepspeed", help="With --target: write the batch keys into this DeepSpeed JSON."),
+    accelerate: str | None = typer.Option(None, "--accelerate", help="With --target: write an accelerate config YAML here."),
+    as_json: bool = typer.Option(False, "--json", help='Print one JSON object (it carries "estimated": true).'),
+) -> None:
+    """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used."""
+    import json
+
+    from .configs import write_accelerate_config, write_deepspeed_config
+    from .estimate import estimate, load_fake_model
+    from .gpus import resolve_gpu
+    from .overheads import Overheads
+    from .solver import solve
+    from .units import parse_bytes
+
+    spec = resolve_gpu(gpu, gpu_memory)  # an unknown name fails here, before any model is built
+    if (deepspeed or accelerate) and target is None:
+        fail("--deepspeed and --accelerate write a plan, which needs --target (the global batch); add --target N")
+    overheads = Overheads(fragmentation=fragmentation, workspace_bytes=parse_bytes(workspace))
+    source = load_fake_model(model, seq_len=seq_len)
+    workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
+    result = estimate(workload, spec, overheads=overheads, headroom=_headroom(headroom), max_batch=max_batch,
+                      min_batch=min_micro)
+    plan = None
+    written: dict[str, str] = {}
+    if target is not None:
+        plan = solve(target, gpus, nodes, result.safe_batch, min_micro=result.min_batch, multiple_of=multiple_of,
+                     model_parallel=model_parallel)
+        if deepspeed is not None:
+            write_deepspeed_config(plan, deepspeed, for_accelerate=accelerate is not None)
+            written["deepspeed_config"] = deepspeed
+        if accelerate is not None:
+            write_accelerate_config(plan, accelerate, deepspeed)
+            written["accelerate_config"] = accelerate
+    if as_json:
+        data = result.to_dict()
+        if plan is not None:
+            data["plan"] = plan.to_dict()
+        typer.echo(json.dumps({**data, **written}, indent=2))
+        return
+    typer.echo(f"note: these are estimates for {spec.name} from a fake-tensor trace (no GPU used); "
+               "probe on the GPU itself for exact figures")
+    typer.echo(str(result))
+    if plan is not None:
+        typer.echo("plan (estimated): " + plan.describe())
+        typer.echo(f"HF TrainingArguments: {' '.join(plan.hf_flags(deepspeed))}")
+    for kind, path in written.items():
+        typer.echo(f"wrote {path} ({kind.replace('_', ' ')})")
+
+
+@command("gpus")
+def gpus_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """List the GPUs `autobatch estimate --gpu` knows, with total and usable memory."""
+    import json
+
+    from .gpus import DEFAULT_GPU, GPUS
+
+    if as_json:
+        typer.echo(json.dumps({"default": DEFAULT_GPU, "gpus": [g.to_dict() for g in GPUS.values()]}, indent=2))
+        return
+    typer.echo(f"{'name':<11} {'total':>11}        {'usable':>11}         vendor notes")
+    for spec in GPUS.values():
+        typer.echo(str(spec))
+    typer.echo(f"default: {DEFAULT_GPU}; any other card: --gpu-memory 40GiB (usable = total − CUDA context)")
+
+
 def main() -> None:
     app(prog_name="autobatch")
 

@@ -397,7 +397,6 @@ def gpus_command(as_json: bool = typer.Option(False, "--json", help="Print one J
     if as_json:
         typer.echo(json.dumps({"default": DEFAULT_GPU, "gpus": [g.to_dict() for g in GPUS.values()]}, indent=2))
         return
-    typer.echo(f"{'name':<11} {'total':>11}        {'usable':>11}         vendor notes")
     for spec in GPUS.values():
         typer.echo(str(spec))
     typer.echo(f"default: {DEFAULT_GPU}; any other card: --gpu-memory 40GiB (usable = total − CUDA context)")

@@ -43,7 +43,7 @@ from .trial import Trial, run_trial
 from .units import format_bytes
 from .workload import Workload, resolve_dtype
 
-__all__ = ["Estimate", "estimate", "trace_trial", "fake_model"]
+__all__ = ["Estimate", "estimate", "trace_trial", "fake_model", "load_fake_model"]
 
 
 @dataclass(frozen=True)
@@ -182,10 +182,38 @@ def _new_fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
+def _mode_of(model: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            return p.fake_mode if isinstance(p, FakeTensor) else None
+    return None
+
+
+def load_fake_model(spec: str, **load_kwargs: Any) -> Any:
+    """:func:`autobatch.models.load_model` with the model built on fake tensors (no weight memory).
+
+    Returns the :class:`~autobatch.models.ModelSource`; its model's parameters are fake, and
+    :func:`estimate` traces them under their own fake mode. Where a model cannot be built on fake
+    tensors (weights read from disk), it is loaded for real and converted by :func:`estimate`.
+    """
+    from .models import load_model
+
+    mode = _new_fake_mode()
+    try:
+        with mode:
+            return load_model(spec, **load_kwargs)
+    except AutobatchError:
+        raise
+    except Exception:  # a loader that needs real tensors: the real model, converted later
+        return load_model(spec, **load_kwargs)
+
+
 def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode: Any) -> torch.nn.Module:
     """The model with fake parameters and buffers: built inside ``fake_mode``, or converted.
 
-    A factory is called inside the mode, so the weights never take real memory. A module passed
+    A model whose parameters are already fake tensors of ``fake_mode`` is used as it is. A factory is called inside the mode, so the weights never take real memory. A module passed
     in is copied with each parameter and buffer replaced by a fake tensor of the same shape,
     dtype and ``requires_grad`` (``fake_mode.from_tensor`` copies no data); the user's model is
     left untouched.
@@ -196,6 +224,8 @@ def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode
         if not isinstance(built, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(built).__name__}")
         return built
+    if _mode_of(model) is fake_mode:
+        return model
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
@@ -292,7 +322,7 @@ def estimate(
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
-    fake_mode = _new_fake_mode()
+    fake_mode = _mode_of(workload.model) or _new_fake_mode()
     model = fake_model(workload.model, fake_mode)
     if workload.grad_checkpointing:
         with fake_mode:

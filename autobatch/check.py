@@ -557,12 +557,8 @@ def check_setup(
         return CheckResult(tuple(c.problems), tuple(c.notes), *given.numbers(), None, gpus, node_count, mp)
 
     topo = (gpus, node_count, mp)
-    # Count problems before the flags view so the DeepSpeed view does not repeat its arithmetic.
-    before = len(c.problems)
-    flags = _flags_view(c, given, world, topo, min_micro)
-    flags_problem = given.numbers() if len(c.problems) > before else None
-
-    resolved = flags
+    slots = ("target", "micro", "accum")
+    values = None
     if ds_loaded is not None:
         ds_label, ds = ds_loaded
         if ZERO_OPTIMIZATION not in ds and acc_loaded is None:
@@ -571,13 +567,34 @@ def check_setup(
                 f'HF Trainer and accelerate refuse it (add "{ZERO_OPTIMIZATION}": {{"stage": 0}})'
             )
         values = _deepspeed_values(c, ds_label, ds)
-        if values is not None:
-            explicit = {slot: v for slot, v in zip(("target", "micro", "accum"), values.values()) if v != _AUTO}
-            _compare(c, "deepspeed-mismatch", ds_label, explicit, flags,  # type: ignore[arg-type]
-                     dict(zip(("target", "micro", "accum"), BATCH_KEYS)))
-            if _fill_auto(c, ds_label, values, flags):
-                ds_batch = _deepspeed_view(c, ds_label, values, world, topo, min_micro, flags_problem)
-                if ds_batch is not None and None in flags.numbers():
+    determined = sum(n is not None for n in given.numbers()) >= 2 and (given.target, given.micro) != (None, None)
+    if values is not None and not determined and (given.target is not None or given.micro is not None):
+        # When the arguments alone would need an assumption (accumulation 1), the DeepSpeed file
+        # fills the gap instead: `--target 512 --deepspeed ds.json` is checked with the file's
+        # micro batch and accumulation. Arguments that determine all three are compared instead.
+        numbers = list(given.numbers())
+        for n, key in enumerate(BATCH_KEYS):
+            if numbers[n] is None and isinstance(values[key], int):
+                numbers[n] = values[key]
+                c.note(f"took {key}={values[key]} from {ds_loaded[0]}")  # type: ignore[index]
+        given = _Batch(*numbers)
+
+    # Count problems before the flags view so the DeepSpeed view does not repeat its arithmetic.
+    before = len(c.problems)
+    flags = _flags_view(c, given, world, topo, min_micro)
+    flags_problem = given.numbers() if len(c.problems) > before else None
+
+    resolved = flags
+    micros = {flags.micro}  # every per-GPU batch some launcher would use, for the BatchNorm rule
+    if ds_loaded is not None and values is not None:
+        ds_label = ds_loaded[0]
+        explicit = {slot: v for slot, v in zip(slots, values.values()) if v != _AUTO}
+        _compare(c, "deepspeed-mismatch", ds_label, explicit, flags, dict(zip(slots, BATCH_KEYS)))  # type: ignore[arg-type]
+        if _fill_auto(c, ds_label, values, flags):
+            ds_batch = _deepspeed_view(c, ds_label, values, world, topo, min_micro, flags_problem)
+            if ds_batch is not None:
+                micros.add(ds_batch.micro)
+                if None in flags.numbers():
                     resolved = ds_batch
     if acc_loaded is not None:
         section = acc_loaded[1].get("deepspeed_config") or {}
@@ -587,11 +604,12 @@ def check_setup(
             _compare(c, "accelerate-mismatch", acc_loaded[0], {"accum": accum}, resolved,
                      {"accum": "deepspeed_config.gradient_accumulation_steps"})
 
-    if bn and resolved.micro == 1:
+    if bn and 1 in micros:
         c.add(
             "batchnorm",
-            "a model with BatchNorm needs at least 2 samples per GPU, but the micro batch is 1; training fails with "
-            "'Expected more than 1 value per channel when training'",
+            "a model with BatchNorm needs at least 2 samples per GPU, but the micro batch is 1"
+            + (f" in {ds_loaded[0]}" if ds_loaded is not None and flags.micro != 1 else "")
+            + "; training fails with 'Expected more than 1 value per channel when training'",
             _fix_for(resolved.target, *topo, 2) if resolved.target is not None else "use a micro batch of at least 2",
             micro_batch=1,
         )

@@ -30,6 +30,7 @@ from autobatch.configs import (
 from autobatch.configs.files import ConfigFileError
 from autobatch.plan import Plan
 from autobatch.solver import solve
+from tests.deepspeed_parse import deepspeed_parse
 
 PLANS = [
     pytest.param(solve(224, 16, 1, max_micro=9), id="224-on-16"),
@@ -123,33 +124,12 @@ def test_read_config_accepts_hjson_comments_like_deepspeed(tmp_path):
     assert read_config(path) == {"train_micro_batch_size_per_gpu": 4}
 
 
-@pytest.fixture
-def deepspeed_parser(monkeypatch):
-    """DeepSpeed's own config parser, told the data-parallel world size without starting distributed.
-
-    DeepSpeedConfig first asks deepspeed.comm for the rank; with no process group that fails and it
-    falls back to world_size 1 even when an mpu is given. Reporting rank 0 lets it take the
-    data-parallel size from the mpu, which is exactly how it runs under Megatron-style parallelism.
-    """
-    ds_config = pytest.importorskip("deepspeed.runtime.config")
-    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
-
-    def parse(config, world_size):
-        class Mpu:
-            def get_data_parallel_world_size(self):
-                return world_size
-
-        return ds_config.DeepSpeedConfig(config, mpu=Mpu())
-
-    return parse
-
-
 @pytest.mark.parametrize("plan", PLANS)
-def test_deepspeed_parser_accepts_the_plan_for_its_world_size(plan, deepspeed_parser, tmp_path):
+def test_deepspeed_parser_accepts_the_plan_for_its_world_size(plan, tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(EXISTING))
     write_deepspeed_config(plan, path)
-    parsed = deepspeed_parser(str(path), plan.world_size)
+    parsed = deepspeed_parse(str(path), plan.world_size)
     assert parsed.world_size == plan.world_size
     assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (
         plan.global_batch, plan.micro_batch, plan.grad_accum,
@@ -157,7 +137,7 @@ def test_deepspeed_parser_accepts_the_plan_for_its_world_size(plan, deepspeed_pa
     assert parsed.zero_optimization_stage == 2  # the rest of the file survived the merge
     # the parser really checks: the same file on one more rank fails DeepSpeed's batch assertion
     with pytest.raises(AssertionError, match="train_batch_size is not equal"):
-        deepspeed_parser(str(path), plan.world_size + 1)
+        deepspeed_parse(str(path), plan.world_size + 1)
 
 
 # --- accelerate -----------------------------------------------------------------------------

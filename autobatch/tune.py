@@ -1,0 +1,463 @@
+"""Choose the plan by measured throughput, not by the largest micro batch.
+
+The largest micro batch that fits is not always the fastest way to reach a global batch: a
+smaller micro batch with more accumulation can run faster (better kernels, less allocator
+pressure), and gradient checkpointing trades compute for a larger micro batch. :func:`tune`
+lists every exact plan for the target under each checkpointing setting (each setting probed
+once, through the cache), times each plan with a few real micro steps, and lets optuna's TPE
+sampler choose which plan to time next. Plans clearly slower than the best so far are pruned
+after their first timed step. The study lives in SQLite next to the probe cache, named from the
+fingerprint, so an interrupted run resumes and ``optuna-dashboard sqlite:///…/tune.db`` shows it.
+
+Throughput is per optimizer step: ``grad_accum`` micro steps (forward and backward) and one
+optimizer step, ``samples/s = global batch / step time``; ranks run in parallel, so the world
+size multiplies samples, not time (communication is not measured on one device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backends import MemoryBackend
+from .cache import cache_dir, cached_probe
+from .errors import AutobatchError, MissingDependencyError, NoBatchFitsError
+from .fingerprint import _build_for_signature, fingerprint
+from .oom import is_oom_error
+from .plan import Plan, require_positive_int
+from .preserve import borrowed_model
+from .probe import DEFAULT_HEADROOM, ProbeResult, make_backend
+from .solver import exact_plans, solve
+from .trial import to_device
+from .workload import Workload, make_optimizer, resolve_dtype
+
+__all__ = ["Candidate", "Measurement", "TuneResult", "tune", "time_plan", "candidate_plans", "SlowerThanBestPruner"]
+
+def _optuna() -> Any:
+    try:
+        import optuna
+    except ImportError:
+        raise MissingDependencyError(
+            "autobatch tune needs optuna, which is not installed; pip install 'optuna>=3.4'"
+        ) from None
+    return optuna
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to time: micro batch × accumulation × world size, with or without checkpointing."""
+
+    plan: Plan
+    grad_checkpointing: bool
+
+    @property
+    def label(self) -> str:
+        """The optuna choice for this candidate, readable in optuna-dashboard."""
+        gc = "on" if self.grad_checkpointing else "off"
+        return f"micro={self.plan.micro_batch} ga={self.plan.grad_accum} checkpointing={gc}"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A candidate's throughput as measured (``state`` is optuna's: COMPLETE, PRUNED or FAIL)."""
+
+    candidate: Candidate
+    state: str
+    samples_per_second: float | None
+    seconds_per_step: float | None
+    trial_number: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trial": self.trial_number, "state": self.state, "micro_batch": self.candidate.plan.micro_batch,
+            "grad_accum": self.candidate.plan.grad_accum, "grad_checkpointing": self.candidate.grad_checkpointing,
+            "samples_per_second": self.samples_per_second, "seconds_per_step": self.seconds_per_step,
+        }
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The fastest plan found, and how it compares with the largest-micro plan ``find`` would pick.
+
+    ``speedup`` is ``best / baseline`` samples per second (1.0 when the largest micro batch is
+    the fastest). ``measurements`` holds every timed trial of the study, earlier runs included.
+    """
+
+    best: Measurement
+    baseline: Measurement
+    measurements: tuple[Measurement, ...]
+    candidates: tuple[Candidate, ...]
+    study_name: str
+    storage: str
+    target: int
+    probes: dict[bool, ProbeResult] = field(default_factory=dict, compare=False)
+
+    @property
+    def speedup(self) -> float:
+        return (self.best.samples_per_second or 0.0) / (self.baseline.samples_per_second or float("inf"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "best": {**self.best.to_dict(), "plan": self.best.candidate.plan.to_dict()},
+            "baseline": {**self.baseline.to_dict(), "plan": self.baseline.candidate.plan.to_dict()},
+            "speedup": self.speedup,
+            "study_name": self.study_name,
+            "storage": self.storage,
+            "candidates": [c.label for c in self.candidates],
+            "measurements": [m.to_dict() for m in self.measurements],
+            "max_micro": {("on" if gc else "off"): p.safe_batch for gc, p in self.probes.items()},
+        }
+
+    def __str__(self) -> str:
+        def line(m: Measurement) -> str:
+            return f"{m.candidate.plan} checkpointing {'on' if m.candidate.grad_checkpointing else 'off'}: " \
+                   f"{m.samples_per_second:,.1f} samples/s ({m.seconds_per_step:.4f} s/step)"
+
+        done = sum(m.state == "COMPLETE" for m in self.measurements)
+        pruned = sum(m.state == "PRUNED" for m in self.measurements)
+        if self.best.candidate == self.baseline.candidate:
+            verdict = "the largest micro batch is also the fastest plan measured"
+        else:
+            verdict = f"{self.speedup:.2f}× the throughput of the largest-micro plan"
+        return "\n".join([
+            f"best:     {line(self.best)}",
+            f"baseline: {line(self.baseline)} (largest micro batch)",
+            f"speed-up: {verdict}",
+            f"study {self.study_name} in {self.storage}: {len(self.candidates)} candidate plans, "
+            f"{done} timed, {pruned} pruned",
+        ])
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+def _micro_step(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
+    # Its own frame, so the batch and activations die before the next step.
+    batch = to_device(workload.make_batch(batch_size), device)
+    dtype = resolve_dtype(workload.dtype)
+    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
+    with autocast:
+        loss = workload.loss_fn(model, batch)
+    loss.backward()
+
+
+def time_plan(
+    workload: Workload,
+    model: torch.nn.Module,
+    backend: MemoryBackend,
+    plan: Plan,
+    *,
+    steps: int = 3,
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[float, float]:
+    """Time ``plan`` on ``backend``: ``(samples per second, seconds per optimizer step)``.
+
+    One untimed warm-up (optimizer state, kernel selection), then ``steps`` timed micro steps and
+    optimizer steps; a step takes ``grad_accum ×`` the median micro step plus the median optimizer
+    step. Only a few micro steps run whatever the accumulation, so timing costs seconds.
+    ``on_step(i, samples_per_second_so_far)`` after each timed step may raise to stop early
+    (optuna's pruning does). The model is lent and given back unchanged; ``workload.grad_checkpointing``
+    is applied while it is lent.
+
+    Example:
+        >>> from autobatch import SimulatedBackend, Workload
+        >>> work = Workload(torch.nn.Linear(8, 2), lambda b: (torch.randn(b, 8), torch.zeros(b, dtype=torch.long)))
+        >>> sps, seconds = time_plan(work, work.model, SimulatedBackend("1MiB"), Plan(4, 2), steps=2)
+        >>> sps > 0 and seconds > 0
+        True
+    """
+    steps = require_positive_int("steps", steps, fix="time at least one step, e.g. 3")
+    device = backend.device
+    micro: list[float] = []
+    optim: list[float] = []
+    rate = seconds = 0.0
+    with borrowed_model(model, device, grad_checkpointing=workload.grad_checkpointing) as lent:
+        params = list(lent.parameters())
+        backend.release()
+        with backend.track(params + list(lent.buffers())):
+            optimizer = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
+            try:
+                for i in range(steps + 1):
+                    backend.synchronize()
+                    start = time.perf_counter()
+                    _micro_step(workload, lent, plan.micro_batch, device)
+                    backend.synchronize()
+                    middle = time.perf_counter()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    backend.synchronize()
+                    if i == 0:
+                        continue  # warm-up: optimizer state appears here
+                    micro.append(middle - start)
+                    optim.append(time.perf_counter() - middle)
+                    seconds = plan.grad_accum * statistics.median(micro) + statistics.median(optim)
+                    rate = plan.global_batch / seconds
+                    if on_step is not None:
+                        on_step(i - 1, rate)
+            finally:
+                del optimizer
+                lent.zero_grad(set_to_none=True)
+    backend.release()
+    return rate, seconds
+
+
+# --- candidates -------------------------------------------------------------------------------
+
+
+def _supports_checkpointing(workload: Workload) -> bool:
+    return callable(getattr(_build_for_signature(workload.model), "gradient_checkpointing_enable", None))
+
+
+def candidate_plans(
+    workload: Workload,
+    target: int,
+    backend: MemoryBackend,
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    checkpointing: Sequence[bool] | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+    max_batch: int | None = None,
+    min_micro: int | None = None,
+    multiple_of: int | None = None,
+    use_cache: bool = True,
+    root: Path | None = None,
+) -> tuple[list[Candidate], dict[bool, ProbeResult]]:
+    """Every exact plan for ``target`` under each checkpointing setting, largest micro first.
+
+    Each setting is probed once (through the cache) for its safe micro batch; a setting where
+    nothing fits is left out. ``checkpointing=None`` tries both when the model has
+    ``gradient_checkpointing_enable()``, else only off.
+    """
+    settings = list(checkpointing) if checkpointing is not None else (
+        [False, True] if _supports_checkpointing(workload) else [False])
+    if not settings:
+        raise AutobatchError("checkpointing must list at least one setting, but got none; pass [False], [True] or both")
+    world = gpus_per_node * nodes
+    candidates: list[Candidate] = []
+    probes: dict[bool, ProbeResult] = {}
+    failures: list[str] = []
+    for gc in dict.fromkeys(bool(s) for s in settings):
+        variant = dataclasses.replace(workload, grad_checkpointing=gc)
+        try:
+            result, _ = cached_probe(variant, backend, headroom=headroom, max_batch=max_batch, min_batch=min_micro,
+                                     world_size=world, use_cache=use_cache, root=root)
+        except NoBatchFitsError as exc:
+            failures.append(f"checkpointing {'on' if gc else 'off'}: {exc}")
+            continue
+        probes[gc] = result
+        if result.safe_batch < result.min_batch:
+            continue
+        for plan in exact_plans(target, gpus_per_node, nodes, result.safe_batch,
+                                min_micro=result.min_batch, multiple_of=multiple_of):
+            candidates.append(Candidate(plan, gc))
+    if not probes:
+        raise NoBatchFitsError("; ".join(failures))
+    if not candidates:
+        gc, result = next(iter(probes.items()))
+        # solve() raises the error that lists the nearest reachable batches and world sizes
+        solve(target, gpus_per_node, nodes, max(result.safe_batch, result.min_batch), min_micro=result.min_batch,
+              multiple_of=multiple_of)
+    return candidates, probes
+
+
+# --- pruning ------------------------------------------------------------------------------------
+
+
+def _pruner_base() -> type:
+    return _optuna().pruners.BasePruner
+
+
+class SlowerThanBestPruner:
+    """Prune a trial whose throughput so far is below ``ratio ×`` the best completed trial's.
+
+    "Clearly slower" is a ratio, not a median: with a dozen candidate plans a median pruner
+    would stop half of them, while one noisy first step should not stop a plan that is close.
+    Built as an optuna pruner by :meth:`create`.
+    """
+
+    def __init__(self, ratio: float = 0.5):
+        if not 0 < ratio < 1:
+            raise AutobatchError(f"prune ratio must be in (0, 1), but got {ratio!r}; 0.5 prunes plans at half the best")
+        self.ratio = ratio
+
+    def prune(self, study: Any, trial: Any) -> bool:
+        optuna = _optuna()
+        step = trial.last_step
+        if step is None:
+            return False
+        done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        best = max((t.value for t in done if t.value is not None), default=None)
+        return best is not None and trial.intermediate_values[step] < self.ratio * best
+
+    @classmethod
+    def create(cls, ratio: float = 0.5) -> Any:
+        """An instance that is also an ``optuna.pruners.BasePruner``."""
+        pruner_type = type("SlowerThanBestPruner", (cls, _pruner_base()), {})
+        return pruner_type(ratio)
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+
+class _PlanOutOfMemory(Exception):
+    """A plan ran out of memory while being timed: the trial fails, the study goes on."""
+
+
+def _measurements(study: Any, by_label: dict[str, Candidate]) -> list[Measurement]:
+    result = []
+    for t in study.get_trials(deepcopy=False):
+        candidate = by_label.get(t.params.get("plan"))
+        if candidate is None or t.state.name not in ("COMPLETE", "PRUNED", "FAIL") or "repeat_of" in t.user_attrs:
+            continue
+        value = t.value if t.state.name == "COMPLETE" else (
+            t.intermediate_values[t.last_step] if t.last_step is not None else None)
+        seconds = t.user_attrs.get("seconds_per_step")
+        result.append(Measurement(candidate, t.state.name, value, seconds, t.number))
+    return result
+
+
+def tune(
+    workload: Workload,
+    target: int,
+    backend: MemoryBackend | None = None,
+    *,
+    n_trials: int = 20,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    timed_steps: int = 3,
+    checkpointing: Sequence[bool] | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+    max_batch: int | None = None,
+    min_micro: int | None = None,
+    multiple_of: int | None = None,
+    prune_ratio: float = 0.5,
+    seed: int | None = 0,
+    use_cache: bool = True,
+    root: Path | str | None = None,
+    storage: str | None = None,
+    on_trial: Callable[[Measurement], None] | None = None,
+) -> TuneResult:
+    """Find the fastest exact plan for ``target`` among micro batch × accumulation × checkpointing.
+
+    Args:
+        workload: what to train (its ``grad_checkpointing`` is replaced by each setting tried).
+        target: the global batch per optimizer step.
+        backend: where to probe and time; default the current CUDA device.
+        n_trials: optuna trials in this run; a resumed study adds them to those it holds.
+        gpus_per_node, nodes: the data-parallel world the plans are for.
+        timed_steps: timed micro steps per trial (after one warm-up step).
+        checkpointing: settings to try; default both when the model supports it.
+        headroom, max_batch, min_micro, multiple_of: as for ``find`` (``max_batch`` caps the probes).
+        prune_ratio: a trial slower than this fraction of the best so far is stopped.
+        seed: TPE sampler seed (``None``: random).
+        use_cache: read probes from the cache (``False`` probes again; the study is kept).
+        root: the cache directory (default :func:`autobatch.cache.cache_dir`); the study lives
+            in ``root/tune.db`` unless ``storage`` names another optuna storage URL.
+        on_trial: called with each new :class:`Measurement`.
+
+    Example:
+        >>> import tempfile
+        >>> from autobatch import SimulatedBackend, Workload
+        >>> work = Workload(torch.nn.Linear(8, 2), lambda b: (torch.randn(b, 8), torch.zeros(b, dtype=torch.long)))
+        >>> result = tune(work, 16, SimulatedBackend("64KiB"), n_trials=3, timed_steps=1, root=tempfile.mkdtemp())
+        >>> result.best.candidate.plan.global_batch
+        16
+    """
+    optuna = _optuna()
+    target = require_positive_int("target", target, fix="pass the global batch you want, e.g. 224")
+    n_trials = require_positive_int("n_trials", n_trials, fix="run at least one trial, e.g. --trials 20")
+    backend = backend if backend is not None else make_backend()
+    folder = Path(root) if root is not None else cache_dir()
+    candidates, probes = candidate_plans(
+        workload, target, backend, gpus_per_node=gpus_per_node, nodes=nodes, checkpointing=checkpointing,
+        headroom=headroom, max_batch=max_batch, min_micro=min_micro, multiple_of=multiple_of,
+        use_cache=use_cache, root=folder,
+    )
+    by_label = {c.label: c for c in candidates}
+    labels = list(by_label)
+    # The baseline is what `find` picks: the largest micro batch, checkpointing off when that fits.
+    baseline = next((c for c in candidates if not c.grad_checkpointing), candidates[0])
+
+    fp = fingerprint(dataclasses.replace(workload, grad_checkpointing=False), backend.info(),
+                     world_size=gpus_per_node * nodes,
+                     settings={"tune": 1, "target": target, "gpus_per_node": gpus_per_node, "nodes": nodes,
+                               "headroom": headroom, "max_batch": max_batch, "min_micro": min_micro, "multiple_of": multiple_of,
+                               "timed_steps": timed_steps, "candidates": "|".join(labels)})
+    study_name = f"autobatch-tune-{workload.name}-{fp.short}"
+    if storage is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        storage = f"sqlite:///{(folder / 'tune.db').resolve()}"
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is ours to print
+    try:
+        study = optuna.create_study(
+            storage=storage, study_name=study_name, direction="maximize", load_if_exists=True,
+            sampler=optuna.samplers.TPESampler(seed=seed), pruner=SlowerThanBestPruner.create(prune_ratio),
+        )
+        study.set_user_attr("target", target)
+        seen = {t.params.get("plan") for t in study.get_trials(deepcopy=False)}
+        if baseline.label not in seen:
+            study.enqueue_trial({"plan": baseline.label})
+        models: dict[str, torch.nn.Module] = {}
+
+        def objective(trial: Any) -> float:
+            candidate = by_label[trial.suggest_categorical("plan", labels)]
+            trial.set_user_attr("micro_batch", candidate.plan.micro_batch)
+            trial.set_user_attr("grad_accum", candidate.plan.grad_accum)
+            trial.set_user_attr("grad_checkpointing", candidate.grad_checkpointing)
+            done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                    if t.params.get("plan") == candidate.label]
+            if done:  # TPE proposes good plans again; a second timing would only add noise
+                trial.set_user_attr("repeat_of", done[0].number)
+                trial.set_user_attr("seconds_per_step", done[0].user_attrs.get("seconds_per_step"))
+                return float(done[0].value)
+            if "model" not in models:
+                models["model"] = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
+            variant = dataclasses.replace(workload, grad_checkpointing=candidate.grad_checkpointing)
+
+            def report(step: int, rate: float) -> None:
+                trial.report(rate, step)
+                if trial.should_prune():
+                    raise optuna.TrialPruned(f"{rate:.1f} samples/s is below {prune_ratio:.0%} of the best")
+
+            try:
+                rate, seconds = time_plan(variant, models["model"], backend, candidate.plan,
+                                          steps=timed_steps, on_step=report)
+            except Exception as exc:
+                if is_oom_error(exc):
+                    trial.set_user_attr("error", str(exc).splitlines()[0][:300])
+                    raise _PlanOutOfMemory(str(exc).splitlines()[0][:300]) from None
+                raise
+            trial.set_user_attr("seconds_per_step", seconds)
+            return rate
+
+        def callback(study: Any, frozen: Any) -> None:
+            if on_trial is not None:
+                for m in _measurements(study, by_label):
+                    if m.trial_number == frozen.number:
+                        on_trial(m)
+
+        study.optimize(objective, n_trials=n_trials, catch=(_PlanOutOfMemory,), callbacks=[callback])
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    measurements = _measurements(study, by_label)
+    complete = [m for m in measurements if m.state == "COMPLETE" and m.samples_per_second is not None]
+    base = next((m for m in complete if m.candidate == baseline), None)
+    if not complete or base is None:
+        raise AutobatchError(
+            f"no plan could be timed for target {target} (the largest-micro plan {baseline.label} did not complete); "
+            "rerun with more --trials, or lower the micro batch with --headroom"
+        )
+    best = max(complete, key=lambda m: m.samples_per_second or 0.0)
+    return TuneResult(best=best, baseline=base, measurements=tuple(measurements), candidates=tuple(candidates),
+                      study_name=study_name, storage=storage, target=target, probes=probes)

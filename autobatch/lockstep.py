@@ -25,7 +25,6 @@ from .backends import DeviceInfo, MemoryBackend
 from .ddp import ddp_for_trials
 from .errors import AutobatchError, NoBatchFitsError
 from .modelinfo import min_batch_for
-from .oom import is_oom_error
 from .preserve import borrowed_model
 from .probe import DEFAULT_HEADROOM, ProbeResult, _phases, _safe_batch, make_backend, resolve_headroom
 from .search import fit_line, predict_batch, search_max

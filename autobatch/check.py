@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .configs.deepspeed import BATCH_KEYS, GRAD_ACCUM, MICRO_BATCH, TRAIN_BATCH_SIZE, ZERO_OPTIMIZATION
+from .configs.accelerate import REFUSED_WITH_DEEPSPEED_FILE
+from .configs.deepspeed import (
+    BATCH_KEYS,
+    GRAD_ACCUM,
+    MICRO_BATCH,
+    TRAIN_BATCH_SIZE,
+    ZERO_OPTIMIZATION,
+    derive_batch_keys,
+)
 from .configs.files import ConfigFileError, read_config
 from .errors import AutobatchError, ConfigError
 from .plan import Plan, require_positive_int
@@ -32,17 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["Problem", "CheckResult", "check_setup"]
 
 _AUTO = "auto"
-# accelerate raises at launch when these sit next to deepspeed_config_file (they belong in the JSON)
-_ACCELERATE_REFUSES_WITH_DS_FILE = (
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "zero_stage",
-    "offload_optimizer_device",
-    "offload_param_device",
-    "offload_param_nvme_path",
-    "offload_optimizer_nvme_path",
-    "zero3_save_16bit_model",
-)
 # How many (micro × accumulation) pairs a fix lists before eliding the rest.
 _PAIRS_SHOWN = 6
 
@@ -320,49 +317,23 @@ def _fill_auto(c: _Collector, label: str, values: dict[str, int | str | None], f
     return complete
 
 
-def _deepspeed_derive(values: dict[str, int | str | None], world: int) -> tuple[_Batch, list[str]]:
-    """What DeepSpeed's config does with missing keys (runtime/config.py), flooring included."""
-    target, micro, accum = (values[k] for k in BATCH_KEYS)
-    steps: list[str] = []
-    derived: set[str] = set()
-    if target is not None and micro is not None and accum is None:
-        accum = target // micro // world
-        steps.append(f"{GRAD_ACCUM} = {target} // {micro} // {world} = {accum}")
-        derived.add("accum")
-    elif target is not None and accum is not None and micro is None:
-        micro = target // world // accum
-        steps.append(f"{MICRO_BATCH} = {target} // {world} // {accum} = {micro}")
-        derived.add("micro")
-    elif micro is not None and accum is not None and target is None:
-        target = micro * accum * world
-        derived.add("target")
-    elif target is not None and micro is None and accum is None:
-        accum, micro = 1, target // world
-        steps.append(f"{GRAD_ACCUM} = 1 and {MICRO_BATCH} = {target} // {world} = {micro}")
-        derived |= {"micro", "accum"}
-    elif micro is not None and target is None and accum is None:
-        accum, target = 1, micro * world
-        derived |= {"target", "accum"}
-    return _Batch(target, micro, accum, derived), steps  # type: ignore[arg-type]
-
-
 def _deepspeed_view(
     c: _Collector, label: str, values: dict[str, int | str | None], world: int, topo: tuple[int, int, int],
     min_micro: int, flags_problem: tuple[int | None, ...] | None,
 ) -> _Batch | None:
     """Mirror DeepSpeed's derivation and its start-up assertion for one config."""
-    if values[TRAIN_BATCH_SIZE] is None and values[MICRO_BATCH] is None:
+    derived = derive_batch_keys(*(values[k] for k in BATCH_KEYS), world_size=world)  # type: ignore[arg-type]
+    if derived is None:
         c.add(
             "deepspeed-assertion",
             f"DeepSpeed needs {TRAIN_BATCH_SIZE} or {MICRO_BATCH}, but {label} has neither",
             f"add the three batch keys from one plan (autobatch solve --deepspeed {label})",
         )
         return None
-    batch, steps = _deepspeed_derive(values, world)
-    target, micro, accum = batch.numbers()
-    assert target is not None and micro is not None and accum is not None  # every branch above sets all three
-    derivation = f" (DeepSpeed derives {'; '.join(steps)})" if steps else ""
-    lost = target - micro * accum * world
+    target, micro, accum = derived.train_batch_size, derived.micro_batch, derived.grad_accum
+    slot_of = dict(zip(BATCH_KEYS, ("target", "micro", "accum")))
+    batch = _Batch(target, micro, accum, {slot_of[k] for k in derived.derived})
+    derivation = f" (DeepSpeed derives {'; '.join(derived.steps)})" if derived.steps else ""
     if micro < 1 or accum < 1:
         c.add(
             "per-device-batch",
@@ -371,7 +342,7 @@ def _deepspeed_view(
             _fix_for(target, *topo, min_micro),
             train_batch_size=target, micro_batch=micro, grad_accum=accum, world_size=world,
         )
-    elif lost and batch.numbers() != flags_problem:
+    elif not derived.consistent and batch.numbers() != flags_problem:
         c.add(
             "deepspeed-assertion",
             f"DeepSpeed asserts {TRAIN_BATCH_SIZE} == {MICRO_BATCH} × {GRAD_ACCUM} × world_size, but {label} "
@@ -427,7 +398,7 @@ def _accelerate_deepspeed(c: _Collector, label: str, acc: dict[str, Any], ds_lab
     ds_file = section.get("deepspeed_config_file")
     if not ds_file:
         return
-    refused = [k for k in _ACCELERATE_REFUSES_WITH_DS_FILE if k in section]
+    refused = [k for k in REFUSED_WITH_DEEPSPEED_FILE if k in section]
     if acc.get("mixed_precision") is not None:
         refused.append("mixed_precision")
     if refused:

@@ -118,14 +118,8 @@ def test_check_batchnorm_flag():
 # --- a real process ------------------------------------------------------------------------
 
 
-def test_python_dash_m_autobatch_solve_and_a_bad_input():
-    ok = subprocess.run(
-        [sys.executable, "-m", "autobatch", "solve", "--target", "224", "--gpus", "16", "--nodes", "1",
-         "--max-micro", "9", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["micro_batch"] == 7
+def test_python_dash_m_autobatch_solve_bad_input_is_one_line_without_traceback():
+    # one real process (starting one costs seconds); the good path is covered through CliRunner above
     bad = subprocess.run(
         [sys.executable, "-m", "autobatch", "solve", "--target", "224", "--gpus", "3"],
         capture_output=True, text=True, timeout=300,

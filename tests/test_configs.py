@@ -15,9 +15,11 @@ import pytest
 import yaml
 
 from autobatch.configs import (
+    BATCH_KEYS,
     accelerate_command,
     accelerate_config,
     deepspeed_config,
+    derive_batch_keys,
     hf_flags,
     hf_training_args,
     lightning_settings,
@@ -138,6 +140,29 @@ def test_deepspeed_parser_accepts_the_plan_for_its_world_size(plan, tmp_path):
     # the parser really checks: the same file on one more rank fails DeepSpeed's batch assertion
     with pytest.raises(AssertionError, match="train_batch_size is not equal"):
         deepspeed_parse(str(path), plan.world_size + 1)
+
+
+@pytest.mark.parametrize(
+    ("keys", "world"),
+    [((224, None, None), 16), ((224, None, None), 3), ((225, 7, None), 16), ((224, None, 3), 16),
+     ((None, 7, 2), 16), ((None, 7, None), 4), ((8, None, 1), 16), ((224, 7, 2), 16)],
+)
+def test_derive_batch_keys_matches_deepspeed(keys, world):
+    ds = {k: v for k, v in zip(BATCH_KEYS, keys) if v is not None}
+    derived = derive_batch_keys(*keys, world_size=world)
+    try:
+        parsed = deepspeed_parse(ds, world)
+    except AssertionError:
+        assert not derived.consistent
+        return
+    assert derived.consistent
+    assert (derived.train_batch_size, derived.micro_batch, derived.grad_accum) == (
+        parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps,
+    )
+
+
+def test_derive_batch_keys_needs_a_batch_key():
+    assert derive_batch_keys(None, None, 4, world_size=2) is None
 
 
 # --- accelerate -----------------------------------------------------------------------------

@@ -8,7 +8,14 @@ methods (``plan.to_deepspeed()`` …) delegate here.
 from __future__ import annotations
 
 from .accelerate import accelerate_config, read_accelerate_config, write_accelerate_config
-from .deepspeed import BATCH_KEYS, deepspeed_config, read_deepspeed_config, write_deepspeed_config
+from .deepspeed import (
+    BATCH_KEYS,
+    DerivedBatch,
+    deepspeed_config,
+    derive_batch_keys,
+    read_deepspeed_config,
+    write_deepspeed_config,
+)
 from .files import read_config, write_config
 from .hf import hf_flags, hf_training_args
 from .launch import accelerate_command, torchrun_command
@@ -16,9 +23,11 @@ from .lightning import lightning_settings
 
 __all__ = [
     "BATCH_KEYS",
+    "DerivedBatch",
     "accelerate_command",
     "accelerate_config",
     "deepspeed_config",
+    "derive_batch_keys",
     "hf_flags",
     "hf_training_args",
     "lightning_settings",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GRAD_ACCUM_ENV",
+    "REFUSED_WITH_DEEPSPEED_FILE",
     "accelerate_config",
     "accelerate_comment",
     "read_accelerate_config",
@@ -35,6 +36,18 @@ __all__ = [
 
 # Read by accelerate.Accelerator in preference to its gradient_accumulation_steps argument.
 GRAD_ACCUM_ENV = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+# Keys of the YAML's deepspeed_config section that accelerate refuses next to deepspeed_config_file
+# (they belong in the DeepSpeed JSON); a top-level mixed_precision is refused there too.
+REFUSED_WITH_DEEPSPEED_FILE = (
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero_stage",
+    "offload_optimizer_device",
+    "offload_param_device",
+    "offload_param_nvme_path",
+    "offload_optimizer_nvme_path",
+    "zero3_save_16bit_model",
+)
 
 
 def accelerate_config(

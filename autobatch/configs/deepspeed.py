@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ __all__ = [
     "GRAD_ACCUM",
     "BATCH_KEYS",
     "ZERO_OPTIMIZATION",
+    "DerivedBatch",
+    "derive_batch_keys",
     "deepspeed_config",
     "read_deepspeed_config",
     "write_deepspeed_config",
@@ -117,3 +120,72 @@ def write_deepspeed_config(
         config.setdefault(ZERO_OPTIMIZATION, {"stage": 0})
     write_config(path, config)
     return config
+
+
+@dataclass(frozen=True)
+class DerivedBatch:
+    """The three batch keys after DeepSpeed fills in the missing ones.
+
+    Attributes:
+        train_batch_size, micro_batch, grad_accum: The values DeepSpeed will use and then check.
+        world_size: The data-parallel world size they were derived for.
+        derived: The keys DeepSpeed computed rather than read.
+        steps: The flooring divisions it did, written out (e.g. ``"… = 224 // 3 = 74"``).
+    """
+
+    train_batch_size: int
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    derived: frozenset[str]
+    steps: tuple[str, ...]
+
+    @property
+    def consistent(self) -> bool:
+        """Whether DeepSpeed's start-up assertion (every term > 0, and the identity) passes."""
+        return (
+            self.micro_batch > 0 and self.grad_accum > 0
+            and self.train_batch_size == self.micro_batch * self.grad_accum * self.world_size
+        )
+
+
+def derive_batch_keys(
+    train_batch_size: int | None, micro_batch: int | None, grad_accum: int | None, world_size: int
+) -> DerivedBatch | None:
+    """What DeepSpeed's config does with missing batch keys, flooring included.
+
+    Mirrors ``_set_batch_related_parameters`` in DeepSpeed's ``runtime/config.py``: e.g. given
+    only ``train_batch_size`` it sets accumulation 1 and ``micro = train_batch_size // world_size``,
+    then asserts the identity, which fails when that floor lost samples. Returns ``None`` when
+    neither ``train_batch_size`` nor ``micro_batch`` is given (DeepSpeed refuses that config).
+
+    Example:
+        >>> d = derive_batch_keys(224, None, None, world_size=3)
+        >>> (d.micro_batch, d.grad_accum, d.consistent)
+        (74, 1, False)
+    """
+    target, micro, accum, world = train_batch_size, micro_batch, grad_accum, world_size
+    steps: list[str] = []
+    derived: set[str] = set()
+    if target is None and micro is None:
+        return None
+    if target is not None and micro is not None and accum is None:
+        accum = target // micro // world
+        steps.append(f"{GRAD_ACCUM} = {target} // {micro} // {world} = {accum}")
+        derived.add(GRAD_ACCUM)
+    elif target is not None and accum is not None and micro is None:
+        micro = target // world // accum
+        steps.append(f"{MICRO_BATCH} = {target} // {world} // {accum} = {micro}")
+        derived.add(MICRO_BATCH)
+    elif micro is not None and accum is not None and target is None:
+        target = micro * accum * world
+        derived.add(TRAIN_BATCH_SIZE)
+    elif target is not None and micro is None:  # accum is None too
+        accum, micro = 1, target // world
+        steps.append(f"{GRAD_ACCUM} = 1 and {MICRO_BATCH} = {target} // {world} = {micro}")
+        derived |= {MICRO_BATCH, GRAD_ACCUM}
+    elif micro is not None and target is None:  # accum is None too
+        accum, target = 1, micro * world
+        derived |= {TRAIN_BATCH_SIZE, GRAD_ACCUM}
+    assert target is not None and micro is not None and accum is not None  # every case above sets all three
+    return DerivedBatch(target, micro, accum, world, frozenset(derived), tuple(steps))

@@ -138,7 +138,7 @@ def solve_command(
         write_accelerate_config(plan, accelerate, deepspeed)
         written["accelerate_config"] = str(accelerate)
     if as_json:
-        typer.echo(json.dumps({**plan.to_dict(), **written}, indent=2))
+        typer.echo(json.dumps({**plan.to_dict(), **written}, indent=2, ensure_ascii=False))
         return
     hf = plan.hf_flags(deepspeed)
     lightning = plan.to_lightning()
@@ -177,7 +177,7 @@ def check_command(
         target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
         model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
     )
-    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.report())
+    typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:
         raise typer.Exit(1)
 

@@ -402,6 +402,105 @@ def gpus_command(as_json: bool = typer.Option(False, "--json", help="Print one J
     typer.echo(f"default: {DEFAULT_GPU}; any other card: --gpu-memory 40GiB (usable = total − CUDA context)")
 
 
+# --- tune / cache ---------------------------------------------------------------------------
+
+
+@command("tune")
+def tune_command(
+    model: str = typer.Option(..., "--model", help="Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn."),
+    target: int = typer.Option(..., "--target", help="Global batch per optimizer step."),
+    trials: int = typer.Option(20, "--trials", help="Optuna trials in this run (a resumed study adds to its own)."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
+    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
+    checkpointing: str = typer.Option("auto", "--checkpointing", help="auto (both when the model supports it), both, on or off."),
+    timed_steps: int = typer.Option(3, "--timed-steps", help="Timed micro steps per plan, after one warm-up step."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sample, the longest you train on."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (autocast)."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam, sgd, sgd-nomomentum or adafactor."),
+    headroom: str = typer.Option("5%", "--headroom", help="Memory kept free for the safe batch: 5%, 0.05 or 2GiB."),
+    max_batch: int | None = typer.Option(None, "--max-batch", help="Never probe above this micro batch."),
+    min_micro: int | None = typer.Option(None, "--min-micro", help="Smallest per-GPU batch (default 2 with BatchNorm, else 1)."),
+    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
+    device: str | None = typer.Option(None, "--device", help="cuda, cuda:N, or cpu (with --memory: simulated budget)."),
+    memory: str | None = typer.Option(None, "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the TPE sampler."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Probe again instead of reading the cache (the study is kept)."),
+    plot: str | None = typer.Option(None, "--plot", help="Write a PNG of memory and throughput here (needs the plot extra)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Time the exact plans for --target (micro x GA x checkpointing) and keep the fastest."""
+    import json
+
+    from .models import load_model
+    from .probe import make_backend
+    from .tune import tune
+
+    settings = {"auto": None, "both": [False, True], "on": [True], "off": [False]}
+    if checkpointing not in settings:
+        fail(f"--checkpointing must be auto, both, on or off, but got {checkpointing!r}")
+    backend = make_backend(device or ("cpu" if memory is not None else None), memory)
+    source = load_model(model, **({} if seq_len is None else {"seq_len": seq_len}))
+    workload = source.to_workload(optimizer=optimizer, dtype=dtype)
+
+    def progress(m: Any) -> None:
+        rate = "-" if m.samples_per_second is None else f"{m.samples_per_second:,.1f} samples/s"
+        typer.echo(f"trial {m.trial_number}: {m.candidate.label}: {rate} ({m.state.lower()})", err=True)
+
+    result = tune(workload, target, backend, n_trials=trials, gpus_per_node=gpus, nodes=nodes,
+                  timed_steps=timed_steps, checkpointing=settings[checkpointing], headroom=_headroom(headroom),
+                  max_batch=max_batch, min_micro=min_micro, multiple_of=multiple_of, seed=seed,
+                  use_cache=not no_cache, on_trial=progress)
+    if plot is not None:
+        from .plot import plot_tune
+
+        plot_tune(result, plot)
+    if as_json:
+        typer.echo(json.dumps({**result.to_dict(), **({"plot": plot} if plot else {})}, indent=2))
+        return
+    typer.echo(str(result))
+    typer.echo("plan: " + result.best.candidate.plan.describe())
+    if plot is not None:
+        typer.echo(f"wrote {plot} (plot)")
+
+
+cache_app = typer.Typer(help="The on-disk cache of probe results and tuning studies.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+def cache_list_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """List cached probe results, newest first, and the tuning studies."""
+    import json
+
+    from .cache import cache_dir, list_entries
+    from .tune import list_studies
+
+    entries = list_entries()
+    studies = list_studies()
+    if as_json:
+        typer.echo(json.dumps({
+            "cache_dir": str(cache_dir()),
+            "entries": [{**e.__dict__, "path": str(e.path)} for e in entries],
+            "studies": studies,
+        }, indent=2))
+        return
+    typer.echo(f"cache: {cache_dir()}")
+    typer.echo(f"{len(entries)} cached probe{'s' if len(entries) != 1 else ''}")
+    for entry in entries:
+        typer.echo(f"  {entry}")
+    for study in studies:
+        typer.echo(f"  study {study['name']}: {study['trials']} trials")
+
+
+@cache_app.command("clear")
+def cache_clear_command() -> None:
+    """Delete every cached probe result and the tuning studies."""
+    from .cache import cache_dir, clear
+
+    removed = clear()
+    typer.echo(f"removed {removed} file{'s' if removed != 1 else ''} from {cache_dir()}")
+
+
 def main() -> None:
     app(prog_name="autobatch")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from .backends import MemoryBackend
-from .cache import cache_dir, cached_probe
+from .cache import CacheWarning, cache_dir, cached_probe
 from .errors import AutobatchError, MissingDependencyError, NoBatchFitsError
 from .fingerprint import _build_for_signature, fingerprint
 from .oom import is_oom_error
@@ -39,7 +40,8 @@ from .solver import exact_plans, solve
 from .trial import to_device
 from .workload import Workload, make_optimizer, resolve_dtype
 
-__all__ = ["Candidate", "Measurement", "TuneResult", "tune", "time_plan", "candidate_plans", "SlowerThanBestPruner"]
+__all__ = ["Candidate", "Measurement", "TuneResult", "tune", "time_plan", "candidate_plans", "list_studies",
+           "SlowerThanBestPruner"]
 
 def _optuna() -> Any:
     try:
@@ -461,3 +463,18 @@ def tune(
     best = max(complete, key=lambda m: m.samples_per_second or 0.0)
     return TuneResult(best=best, baseline=base, measurements=tuple(measurements), candidates=tuple(candidates),
                       study_name=study_name, storage=storage, target=target, probes=probes)
+
+
+def list_studies(root: Path | str | None = None) -> list[dict[str, Any]]:
+    """The tuning studies in ``root/tune.db``: name and number of trials (empty when there is none)."""
+    path = (Path(root) if root is not None else cache_dir()) / "tune.db"
+    if not path.is_file():
+        return []
+    optuna = _optuna()
+    try:
+        summaries = optuna.get_all_study_summaries(storage=f"sqlite:///{path.resolve()}")
+    except Exception as exc:  # a damaged database must not break `cache list`; `cache clear` fixes it
+        warnings.warn(f"autobatch cache: cannot read {path} ({type(exc).__name__}); `autobatch cache clear` removes it",
+                      CacheWarning, stacklevel=2)
+        return []
+    return [{"name": s.study_name, "trials": s.n_trials} for s in summaries]

@@ -120,7 +120,9 @@ class _FusedAttention(TorchFunctionMode):
     """Route SDPA to the fused CPU kernel, whose saved tensors have flash attention's O(seq) size.
 
     Under fake tensors SDPA otherwise takes the math path and keeps the O(seq²) probabilities,
-    which a GPU's flash/memory-efficient kernels never store.
+    which a GPU's flash/memory-efficient kernels never store. Only calls the model makes itself
+    are routed: SDPA inside another overridable function (``nn.MultiheadAttention``) stays on the
+    math path, which over-counts, so the estimate errs small.
     """
 
     _NAMES = ("attn_mask", "dropout_p", "is_causal")

@@ -1,0 +1,139 @@
+"""Estimates on fake tensors: exact against the simulated probe, monotone, labelled, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autobatch.backends import SimulatedBackend
+from autobatch.cli import app
+from autobatch.errors import AutobatchError, NoBatchFitsError
+from autobatch.estimate import estimate, fake_model, trace_trial
+from autobatch.overheads import Overheads
+from autobatch.probe import probe
+from autobatch.trial import run_trial
+from autobatch.workload import Workload
+from tests.tiny import TinyLM, cnn_workload, lm_workload, mlp, mlp_workload
+
+class _Attention(torch.nn.Module):
+    """Self-attention through SDPA, as transformers models call it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Several layers: the math path keeps each layer's seq² probabilities until backward.
+        self.projs = torch.nn.ModuleList(torch.nn.Linear(16, 48) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for proj in self.projs:
+            q, k, v = proj(x).chunk(3, dim=-1)
+            # An explicit mask, as transformers passes one: the CPU dispatcher then takes the math path.
+            mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).tril()
+            x = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x
+
+
+WORKLOADS = {"mlp": (mlp_workload, "8MiB"), "lm": (lm_workload, "16MiB"), "cnn": (cnn_workload, "4MiB")}
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_traced_peaks_equal_the_simulated_backends_measured_peaks(name):
+    make, _ = WORKLOADS[name]
+    work = make()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    model = fake_model(work.model, mode)
+    for batch in (2, 16):
+        real = run_trial(work, work.model(), SimulatedBackend("1TiB"), batch)
+        fake = trace_trial(work, model, batch, fake_mode=mode, fused_attention=False)
+        for field in ("peak_bytes", "reserved_bytes", "forward_backward_bytes", "optimizer_bytes", "resident_bytes"):
+            assert getattr(fake, field) == pytest.approx(getattr(real, field), rel=0.02), field
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_estimate_without_overheads_agrees_with_the_simulated_probe(name):
+    make, budget = WORKLOADS[name]
+    est = estimate(make(), gpu_memory=budget, overheads=Overheads.none())
+    real = probe(make(), SimulatedBackend(budget))
+    assert est.max_batch == pytest.approx(real.max_batch, rel=0.03)
+    assert est.safe_batch == pytest.approx(real.safe_batch, rel=0.03)
+    assert est.capacity_bytes == real.capacity_bytes
+
+
+def test_predictions_grow_monotonically_with_memory():
+    work = lm_workload()
+    results = [estimate(work, gpu_memory=f"{mib}MiB", overheads=Overheads.none()) for mib in (4, 8, 16, 32)]
+    maxes = [r.max_batch for r in results]
+    safes = [r.safe_batch for r in results]
+    assert maxes == sorted(maxes) and len(set(maxes)) == 4
+    assert safes == sorted(safes) and all(s <= m for s, m in zip(safes, maxes))
+
+
+def test_overheads_shrink_the_batch_and_fused_attention_keeps_less():
+    work = lm_workload()
+    bare = estimate(work, gpu_memory="16MiB", overheads=Overheads.none())
+    padded = estimate(work, gpu_memory="16MiB", overheads=Overheads(fragmentation=1.2, workspace_bytes=1 << 20,
+                                                                    fused_attention=False, context_bytes=0))
+    assert padded.max_batch < bare.max_batch
+    attn = Workload(_Attention, lambda b: torch.randn(b, 2, 128, 16))
+    math = estimate(attn, gpu_memory="16MiB", overheads=Overheads.none())
+    fused = estimate(attn, gpu_memory="16MiB", overheads=Overheads(1.0, 0, True, 0))
+    assert math.traced[0].batch == fused.traced[0].batch == 1
+    assert fused.traced[0].peak_bytes < math.traced[0].peak_bytes  # no seq² probabilities kept
+
+
+def test_result_is_labelled_as_an_estimate_and_the_users_model_is_untouched():
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    result = estimate(Workload(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), name="mine"), "t4")
+    assert result.estimated and result.to_dict()["estimated"] is True
+    assert str(result).startswith("estimate for t4 (no GPU used")
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert result.capacity_bytes == result.gpu.usable_bytes
+
+
+def test_nothing_fits_and_bad_settings_fail_with_one_line():
+    with pytest.raises(NoBatchFitsError, match="even a batch of 1"):
+        estimate(lm_workload(), gpu_memory="100KiB", overheads=Overheads.none())
+    with pytest.raises(AutobatchError, match="fragmentation .* must be ≥ 1"):
+        Overheads(fragmentation=0.9)
+    with pytest.raises(AutobatchError, match="must exceed its CUDA context"):
+        estimate(lm_workload(), gpu_memory="100MiB")
+    with pytest.raises(AutobatchError, match="gradient_checkpointing_enable"):
+        estimate(Workload(TinyLM, lm_workload().make_batch, loss_fn=lm_workload().loss_fn, grad_checkpointing=True))
+
+
+# --- CLI: mirrors every command shown in docs/estimate.md, one for one ---------------------
+
+runner = CliRunner()
+
+
+def test_cli_gpus():
+    result = runner.invoke(app, ["gpus"])
+    assert result.exit_code == 0 and "a100-80gb" in result.output and "default: a100-80gb" in result.output
+    data = json.loads(runner.invoke(app, ["gpus", "--json"]).output)
+    assert data["default"] == "a100-80gb" and len(data["gpus"]) >= 13
+
+
+def test_cli_unknown_gpu_is_one_line():
+    result = runner.invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu", "b200"])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "gpu must be one of v100-16gb" in result.output
+
+
+def test_cli_estimate_plans_and_writes_deepspeed(tmp_path):
+    pytest.importorskip("autobatch.models")
+    pytest.importorskip("transformers")
+    out = tmp_path / "ds.json"
+    result = runner.invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu", "t4", "--target", "224", "--gpus", "8",
+                                 "--nodes", "2", "--deepspeed", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("note: these are estimates for t4")
+    assert "= 224" in result.output
+    assert json.loads(out.read_text())["train_batch_size"] == 224
+    data = json.loads(runner.invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu-memory", "2GiB", "--json"]).output)
+    assert data["estimated"] is True and data["gpu"]["vendor"] == "custom" and data["max_batch"] >= data["safe_batch"] > 0

@@ -157,6 +157,12 @@ DOC_COMMANDS = [
 ]
 
 
+def test_doc_shows_exactly_these_commands():
+    doc = Path(__file__).resolve().parents[1] / "docs" / "tune-and-cache.md"
+    shown = [line[len("$ autobatch "):] for line in doc.read_text().splitlines() if line.startswith("$ ")]
+    assert shown == DOC_COMMANDS
+
+
 def test_cli_commands_of_the_doc(tmp_path, monkeypatch):
     pytest.importorskip("autobatch.models")
     pytest.importorskip("matplotlib")

@@ -1,0 +1,94 @@
+"""Every recipe runs as its header says: the command under "Run …:" exits 0 and prints its sentinel.
+
+The commands come from the recipes' own headers, so the header, recipes/README.md (checked to
+list the same commands) and what this test executes cannot drift apart. Each runs in a temporary
+directory (output files land there), on the CPU, one thread, bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TIMEOUT_S = 120  # generous: the CPU is shared; alone each recipe takes a few seconds
+
+# What each recipe must print (the plan's arithmetic as the library used it) and the optional
+# library it needs. A new recipe fails test_every_recipe_is_listed until it is added here.
+EXPECTED: dict[str, tuple[str | None, list[str]]] = {
+    "plain_loop_ga": (None, ["verify-ga: PASS  (normalised", "# 2 micro batch * 4 grad accum * 1 rank = 8 sequences per step",
+                             "step   30  loss"]),
+    "hf_trainer": ("transformers", ["# 8 per device * 4 grad accum * 1 devices = 32 sequences per step (plan: 32)",
+                                    "done: 3 optimizer steps"]),
+    "accelerate_loop": ("accelerate", ["# 128 micro batch * 4 grad accum * 1 process(es) = 512 samples per step",
+                                       "done: 3 optimizer steps"]),
+    "deepspeed_config": ("deepspeed", ["7 per GPU × 2 accumulation × 16 GPUs (16 per node × 1 node) = 224",
+                                       "deepspeed accepts it on 16 ranks: 7 micro × 2 accumulation × 16 = 224, ZeRO stage 2"]),
+    "lightning_fit": ("lightning", ["# 128 batch size * 4 accumulate_grad_batches * 1 devices * 1 nodes = 512 samples per step",
+                                    "done: 3 optimizer steps"]),
+}
+RUN_HEADER = re.compile(r"^\W*Run\b[^\n]*:[ \t]*\n[#\s]*(python recipes/(\w+)\.py[^\n]*)", re.MULTILINE)
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.py"))
+
+
+def header(path: Path) -> str:
+    """The opening comment block or module docstring, before the first import."""
+    text = path.read_text()
+    return re.split(r"^(?:from|import) ", text, maxsplit=1, flags=re.MULTILINE)[0]
+
+
+def run_command(name: str) -> str:
+    """The first ``python recipes/NAME.py …`` command under a "Run …:" line of the recipe's header."""
+    for command, stem in RUN_HEADER.findall(header(RECIPES / f"{name}.py")):
+        if stem == name:
+            return command.strip()
+    raise AssertionError(f"recipes/{name}.py must open with a 'Run …:' line followed by 'python recipes/{name}.py …'")
+
+
+def test_every_recipe_is_listed() -> None:
+    assert recipe_names() == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_opens_with_how_to_run_it(name: str) -> None:
+    text = (RECIPES / f"{name}.py").read_text()
+    assert text.startswith(('"""', "#")), f"recipes/{name}.py must open with a docstring or comment header"
+    assert run_command(name).startswith(f"python recipes/{name}.py")
+
+
+def test_readme_lists_each_recipes_run_command() -> None:
+    readme = (RECIPES / "README.md").read_text()
+    listed = re.findall(r"`(python recipes/\S+\.py[^`]*)`", readme)
+    assert sorted(listed) == sorted(run_command(name) for name in recipe_names())
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_runs_as_its_header_says(name: str, tmp_path: Path) -> None:
+    needs, sentinels = EXPECTED[name]
+    if needs is not None:
+        pytest.importorskip(needs)
+    args = shlex.split(run_command(name))
+    assert args[:2] == ["python", f"recipes/{name}.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    # Own session, so that a hang kills the recipe's children too, and only them.
+    proc = subprocess.Popen([sys.executable, str(RECIPES / f"{name}.py"), *args[2:]], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"recipes/{name}.py did not finish within {TIMEOUT_S} s") from None
+    assert proc.returncode == 0, out
+    for sentinel in sentinels:
+        assert sentinel in out, f"{sentinel!r} not in the output of recipes/{name}.py:\n{out}"

@@ -92,7 +92,8 @@ def verify_ga_command(
         model, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
         mode="normalised" if normalised else "naive", tolerance=tolerance, seed=seed,
     )
-    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else str(result))
+    # ensure_ascii=False: the cause reads "2.5× more", not "2.5\u00d7 more".
+    typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else str(result))
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 

@@ -575,7 +575,8 @@ def _likely_cause(status: str, mode: str, batchnorm: bool, m: _Measured, grad_ac
                 f"even with BatchNorm on running statistics the relative error is {m.rel:.2e}, so check the loss too")
         return (
             "the model has BatchNorm: in training it normalises each micro-batch with that micro-batch's own "
-            "statistics, so micro × GA differs from the big batch by design (and a micro-batch of 1 cannot train). "
+            "statistics, so micro × GA differs from the big batch by design (and with one value per channel, as "
+            "BatchNorm1d on a micro-batch of 1, it cannot train at all). "
             f"This is not a loss bug: {rest}. Use a per-device batch ≥ 2 and accept the difference, or "
             "GroupNorm/LayerNorm, or SyncBatchNorm across ranks."
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -279,3 +280,23 @@ def test_other_sources_use_their_own_batches_and_loss() -> None:
     torch.manual_seed(0)
     source = SimpleNamespace(model=bn_model(), task="classification", make_batch=lambda b: xy(b), loss_fn=ce_loss)
     assert verify_model_source(source, micro_batch=2, grad_accum=2).status == "FLAGGED"
+
+
+# --- the example on docs/gradient-accumulation.md -------------------------------------------
+
+
+def test_docs_example_prints_what_the_page_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "gradient-accumulation.md").read_text()
+    section = page.split("## What the check measures", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    exec(compile(code, "docs/gradient-accumulation.md", "exec"), {"__name__": "docs_example"})
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == len(shown) == 4
+    for got, want in zip(printed, shown):
+        if " PASS " in want:  # fp32 rounding differs between CPUs; the verdict and the bound do not
+            assert " PASS " in got and float(got.split("rel error ")[1].split()[0]) <= 1e-5
+            assert got.split("cosine")[1] == want.split("cosine")[1]
+        else:
+            assert got == want

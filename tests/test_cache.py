@@ -16,7 +16,7 @@ import torch
 import autobatch.fingerprint as fingerprint_module
 from autobatch import SimulatedBackend, Workload
 from autobatch.cache import (
-    CacheWarning, cache_dir, cached_probe, clear, list_entries, load, probe_result_from_dict, store,
+    CacheWarning, cache_dir, cached_probe, clear, list_entries, load, probe_result_from_dict,
 )
 from autobatch.fingerprint import Fingerprint, fingerprint
 

@@ -7,7 +7,7 @@ Run from the repository root (needs the ``bench`` extra: ``pip install -e .[benc
 It writes ``docs/benchmarks/compare.md`` (tables, headline, command, date, machine),
 ``compare.json`` (every trial of every tool) and ``compare.png`` (returned vs true maximum;
 trials per tool). ``--cases "mlp @ 20MiB"`` runs a subset, ``--gpt2`` adds gpt2-small,
-``--out DIR`` writes elsewhere.
+``--tools autobatch accelerate`` runs some tools, ``--out DIR`` writes elsewhere.
 """
 
 from __future__ import annotations
@@ -236,14 +236,16 @@ def _plot(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def run(cases: Sequence[Case], out: Path | None, command: str = COMMAND) -> dict[str, Any]:
-    """Run ``cases`` and, when ``out`` is given, write compare.md/.json/.png there."""
+def run(
+    cases: Sequence[Case], out: Path | None, command: str = COMMAND, tools: Sequence[str] = tuple(TOOLS)
+) -> dict[str, Any]:
+    """Run ``tools`` on ``cases`` and, when ``out`` is given, write compare.md/.json/.png there."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     records = []
     for case in cases:
         print(f"{case.name}", file=sys.stderr, flush=True)
-        records.append(run_case(case))
+        records.append(run_case(case, tools))
     summary = _summary(records)
     meta = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -266,12 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where compare.* go")
     parser.add_argument("--cases", nargs="*", help="case names, e.g. 'mlp @ 20MiB'; default all")
     parser.add_argument("--gpt2", action="store_true", help="add gpt2-small (slow on a CPU)")
+    parser.add_argument("--tools", nargs="*", choices=list(TOOLS), help="default all")
     args = parser.parse_args(argv)
     cases = [by_name(name) for name in args.cases] if args.cases else list(CASES)
     if args.gpt2:
         cases += GPT2_CASES
     command = " ".join(["python -m benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
-    result = run(cases, args.out, command)
+    result = run(cases, args.out, command, args.tools or tuple(TOOLS))
     print(result["headline"])
     return 0
 

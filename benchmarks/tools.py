@@ -114,13 +114,16 @@ def _trial_oracle(workload: Workload, budget: str) -> tuple[Callable[[int], None
     return train, counter, tried
 
 
-def run_accelerate(workload: Workload, budget: str, starting_batch_size: int = ACCELERATE_START) -> ToolRun:
+def run_accelerate(workload: Workload, budget: str, starting_batch_size: int | None = None) -> ToolRun:
     """accelerate's ``find_executable_batch_size``: start high, multiply by 0.9 after each OOM.
 
     The decorated function trains ``workload.steps`` (2) steps, exactly as an autobatch trial.
+    ``starting_batch_size`` defaults to :data:`ACCELERATE_START`, read when called.
     """
     from accelerate.utils import find_executable_batch_size
 
+    if starting_batch_size is None:
+        starting_batch_size = ACCELERATE_START
     train, counter, tried = _trial_oracle(workload, budget)
 
     @find_executable_batch_size(starting_batch_size=starting_batch_size)

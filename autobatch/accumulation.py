@@ -67,9 +67,9 @@ class LossNormaliser:
             or when training on one device.
 
     Example:
-        >>> norm = LossNormaliser(total=10)
-        >>> float(norm.token_loss(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([True, True, False])))
-        0.3
+        >>> norm = LossNormaliser(total=8)
+        >>> float(norm.token_loss(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([True, True, False])))
+        0.5
     """
 
     total: int

@@ -3,7 +3,7 @@
 # Run (one process, CPU, a few seconds):
 #     python recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 4 --verify
 # Run with DDP (2 processes; gloo on CPU, nccl on GPUs):
-#     torchrun --nproc-per-node 2 recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 2
+#     torchrun --standalone --nproc-per-node 2 recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 2
 #
 # What it shows: each optimizer step takes grad_accum micro-batches of padded, variable-length
 # sequences; autobatch.count_loss_tokens counts the non-padding target tokens of all of them

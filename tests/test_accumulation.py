@@ -314,3 +314,11 @@ def test_accelerate_loop_from_the_docs_matches_the_big_batch() -> None:
             losses, mask = token_cross_entropy(model(mb["input_ids"]), mb["labels"], shift=True)
             accelerator.backward(norm.token_loss(losses, mask) * accelerator.gradient_accumulation_steps)
     assert rel_error(grads(model), big) <= 1e-5
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import autobatch.accumulation
+
+    assert doctest.testmod(autobatch.accumulation).failed == 0

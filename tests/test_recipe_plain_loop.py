@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ def losses(out: str) -> list[float]:
 def test_header_names_the_commands_this_test_runs() -> None:
     header = RECIPE.read_text().split("from __future__")[0]
     assert "python recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 4 --verify" in header
-    assert "torchrun --nproc-per-node 2 recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 2" in header
+    assert "torchrun --standalone --nproc-per-node 2 recipes/plain_loop_ga.py --steps 30 --micro-batch 2 --grad-accum 2" in header
 
 
 def test_single_process_verifies_then_trains() -> None:
@@ -48,10 +47,8 @@ def test_single_process_verifies_then_trains() -> None:
 
 
 def test_ddp_with_two_gloo_processes() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={port}",
+    # --standalone: torchrun picks a free port itself, so parallel runs cannot collide.
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(RECIPE), "--steps", "30", "--micro-batch", "2", "--grad-accum", "2"])
     assert "# 2 micro batch * 2 grad accum * 2 ranks = 8 sequences per step" in out
     trained = losses(out)

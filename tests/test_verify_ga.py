@@ -300,3 +300,11 @@ def test_docs_example_prints_what_the_page_shows(capsys: pytest.CaptureFixture[s
             assert got.split("cosine")[1] == want.split("cosine")[1]
         else:
             assert got == want
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import autobatch.verify_ga
+
+    assert doctest.testmod(autobatch.verify_ga).failed == 0

@@ -3,7 +3,7 @@
 Each rank takes its shard of the GA micro-batches, counts tokens with ``count_loss_tokens``
 (all-reduced over the ranks), accumulates with ``no_sync`` and lets DDP average the gradients.
 Rank 0 compares with the single-process big batch. The same file is the worker: the test runs
-``python this_file.py RANK PORT OUT`` twice, with a hard timeout so that it can never hang.
+``python this_file.py RANK STORE OUT`` twice, with a hard timeout so that it can never hang.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -20,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from autobatch.accumulation import count_loss_tokens, token_cross_entropy
 from autobatch.verify_ga import padded_lm_batch, split_batch
@@ -82,9 +80,10 @@ def rank_step(rank: int, batch: dict[str, torch.Tensor], case: str) -> tuple[tor
     return grad, norm.total, norm.world_size
 
 
-def worker(rank: int, port: int, out: str) -> None:
+def worker(rank: int, store: str, out: str) -> None:
+    # A file store, not a TCP port: nothing another test run could take in the meantime.
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=20)
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=20)
     )
     try:
         batch = padded_lm_batch(MICRO * GA * WORLD, SEQ, VOCAB, seed=0)  # the same global batch on every rank
@@ -108,21 +107,15 @@ def worker(rank: int, port: int, out: str) -> None:
 # --- the test side --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, float]]:
     if not dist.is_available():
         pytest.skip("torch.distributed is not available in this torch build")
-    out = tmp_path_factory.mktemp("ddp") / "rank0.json"
-    port = free_port()
+    work = tmp_path_factory.mktemp("ddp")
+    out, store = work / "rank0.json", work / "store"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(out)], env=env,
+        subprocess.Popen([sys.executable, __file__, str(rank), str(store), str(out)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in range(WORLD)
     ]
@@ -161,4 +154,4 @@ def test_naive_loss_under_ddp_is_a_mean_of_means(results: dict[str, dict[str, fl
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])

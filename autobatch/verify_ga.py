@@ -340,8 +340,8 @@ def _compare(acc: dict[str, torch.Tensor], big: dict[str, torch.Tensor]) -> tupl
     return rel, cosine, math.sqrt(acc_sq / big_sq), tuple(rows)
 
 
-def _validate(micro_batch: Any, grad_accum: Any, world_size: Any, tolerance: Any, mode: Any,
-              loss_fn: Any, token_loss_fn: Any) -> None:
+def _validate(micro_batch: Any, grad_accum: Any, world_size: Any, tolerance: Any, mode: Any, *,
+              has_loss: bool) -> None:
     problems = []
     for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -350,7 +350,7 @@ def _validate(micro_batch: Any, grad_accum: Any, world_size: Any, tolerance: Any
         problems.append(f"tolerance must be a positive number, but got tolerance={tolerance!r}")
     if mode not in ("naive", "normalised"):
         problems.append(f"mode must be 'naive' or 'normalised', but got mode={mode!r}")
-    if loss_fn is None and token_loss_fn is None:
+    if not has_loss:
         problems.append("pass loss_fn(model, batch) -> loss or token_loss_fn(model, batch) -> (losses, mask)")
     if problems:
         raise ConfigError(problems)
@@ -379,7 +379,7 @@ def verify_ga(
     RNG forked (your global RNG state is untouched).
 
     Args:
-        model: The model, as you train it.
+        model: The model, as you train it (the module itself, not its DDP/FSDP wrapper).
         batch: The global batch: ``micro_batch * grad_accum * world_size`` samples on dim 0
             (a tensor, or a dict/tuple of tensors).
         micro_batch: Samples per micro-batch per rank.
@@ -404,7 +404,8 @@ def verify_ga(
         >>> verify_ga(model, (x, y), micro_batch=2, grad_accum=4, loss_fn=loss).status
         'PASS'
     """
-    _validate(micro_batch, grad_accum, world_size, tolerance, mode, loss_fn, token_loss_fn)
+    _validate(micro_batch, grad_accum, world_size, tolerance, mode,
+              has_loss=loss_fn is not None or token_loss_fn is not None)
     expected = micro_batch * grad_accum * world_size
     size = _batch_size(batch)
     if size != expected:
@@ -651,7 +652,8 @@ def verify_model_source(
             ``.make_batch(b)``/``.loss_fn(model, batch)`` (others).
         micro_batch, grad_accum, world_size, mode, tolerance, seed: As for :func:`verify_ga`.
     """
-    _validate(micro_batch, grad_accum, world_size, tolerance, mode, True, None)
+    # Before building a batch of micro_batch * grad_accum * world_size samples from bad numbers.
+    _validate(micro_batch, grad_accum, world_size, tolerance, mode, has_loss=True)
     global_batch = micro_batch * grad_accum * world_size
     task = getattr(source, "task", None)
     vocab, seq_len = getattr(source, "vocab_size", None), getattr(source, "seq_len", None)

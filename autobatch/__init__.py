@@ -16,11 +16,20 @@ from .workload import Workload, default_loss
 from .trial import Trial, run_trial
 from .search import SearchOutcome, search_max
 from .probe import ProbeResult, make_backend, probe
-from .plan import Plan
-from .solver import NoExactPlanError, solve
-from .check import CheckResult, check_setup
+from .plan import LRAdvice, Plan
+from .solver import NoExactPlanError, exact_plans, solve
+from .check import CheckResult, Problem, check_setup
 from .models import load_model
 from .find import Finding, find, find_plan
+from .accumulation import LossNormaliser, count_loss_samples, count_loss_tokens, token_cross_entropy
+from .verify_ga import GAVerification, verify_ga
+from .distributed import is_launched, process_group, rank_env, spawn_local
+from .lockstep import DistributedProbeResult, probe_distributed
+from .gpus import GPUS, GpuSpec, lookup_gpu
+from .overheads import Overheads
+from .estimate import Estimate, estimate
+from .cache import cached_probe
+from .tune import TuneResult, tune
 
 __version__ = "0.1.0"
 
@@ -51,14 +60,42 @@ __all__ = [
     "probe",
     # planning and checking
     "Plan",
+    "LRAdvice",
     "solve",
+    "exact_plans",
     "CheckResult",
+    "Problem",
     "check_setup",
     # end to end
     "load_model",
     "Finding",
     "find",
     "find_plan",
+    # gradient accumulation
+    "LossNormaliser",
+    "count_loss_samples",
+    "count_loss_tokens",
+    "token_cross_entropy",
+    "GAVerification",
+    "verify_ga",
+    # every rank
+    "is_launched",
+    "process_group",
+    "rank_env",
+    "spawn_local",
+    "DistributedProbeResult",
+    "probe_distributed",
+    # without a GPU
+    "GPUS",
+    "GpuSpec",
+    "lookup_gpu",
+    "Overheads",
+    "Estimate",
+    "estimate",
+    # speed and reuse
+    "cached_probe",
+    "TuneResult",
+    "tune",
     # units
     "format_bytes",
     "parse_bytes",

@@ -241,9 +241,14 @@ def find_command(
     deepspeed: str | None = typer.Option(None, "--deepspeed", help="Write the batch keys into this DeepSpeed JSON (other keys kept)."),
     accelerate: str | None = typer.Option(None, "--accelerate", help="Write an accelerate config YAML here."),
     hf: str | None = typer.Option(None, "--hf", help="Write HF TrainingArguments values (JSON) here."),
+    gpu: str = typer.Option("a100-80gb", "--gpu", help="With no CUDA GPU here and no --device: estimate for this GPU (default a100-80gb)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Probe again even when a result for this setup is cached."),
+    plot: str | None = typer.Option(None, "--plot", help="Draw peak memory against batch into this PNG (needs the plot extra)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Probe the largest per-GPU batch with real training steps, then plan --target exactly."""
+    """Probe the largest per-GPU batch with real training steps, then plan --target exactly.
+
+    With no CUDA GPU and no --device, estimates for --gpu (default a100-80gb) from a fake-tensor trace."""
     import json
 
     import torch
@@ -255,20 +260,56 @@ def find_command(
     from .probe import make_backend
 
     if device is None and memory is None and not torch.cuda.is_available():
-        fail("no CUDA GPU here, and estimates for a named GPU are not available yet; "
-             "probe on a simulated budget instead: --device cpu --memory 8GiB (real training steps on the CPU)")
-    backend = make_backend(device or ("cpu" if memory is not None else None), memory)
-    source = load_model(model, seq_len=seq_len, input_shape=input_shape, num_classes=num_classes,
-                        trust_remote_code=trust_remote_code)
-    workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
-    console = Console(stderr=True)
-    with console.status("probing…") as status:
-        def progress(trial: Any) -> None:
-            status.update(f"probing… batch {trial.batch} {'fits' if trial.fits else 'is out of memory'}")
+        # No GPU to probe: estimate for a named one (fake-tensor trace), saying so first.
+        typer.echo(f"note: no CUDA GPU here, so these are estimates for {gpu} (--gpu; default a100-80gb); "
+                   "for real training steps on the CPU pass --device cpu --memory 8GiB", err=True)
+        estimate_command(
+            model=model, gpu=gpu, gpu_memory=None, target=target, gpus=gpus or 1, nodes=nodes,
+            model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, dtype=dtype,
+            optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_batch=max_batch,
+            min_micro=min_micro, fragmentation=1.05, workspace="64MiB", deepspeed=deepspeed, accelerate=accelerate,
+            as_json=as_json,
+        )
+        return
+    from .distributed import is_launched, is_main_process, process_group, rank_env, spawn_local
+    from .find import Finding, local_gpu_count, plan_from_probe, probe_worker
 
-        finding = find_plan(workload, target=target, gpus_per_node=gpus, nodes=nodes, model_parallel=model_parallel,
-                            backend=backend, headroom=_headroom(headroom), max_batch=max_batch, min_micro=min_micro,
-                            multiple_of=multiple_of, on_trial=progress)
+    load = dict(seq_len=seq_len, input_shape=input_shape, num_classes=num_classes, trust_remote_code=trust_remote_code)
+    settings = dict(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
+    options = dict(max_batch=max_batch, min_batch=min_micro, headroom=_headroom(headroom))
+    planning = dict(target=target, nodes=nodes, model_parallel=model_parallel, multiple_of=multiple_of)
+    console = Console(stderr=True)
+    if is_launched():
+        # Under torchrun / accelerate launch: every rank probes its own device, in lockstep.
+        from .distributed import probe_distributed
+
+        env = rank_env()
+        backend = make_backend(device or (f"cuda:{env.local_rank}" if memory is None else "cpu"), memory)
+        with process_group("gloo" if backend.device.type == "cpu" else None):
+            workload = load_model(model, **load).to_workload(**settings)
+            result = probe_distributed(workload, backend, **options)
+        if not is_main_process():
+            return  # only rank 0 prints and writes files
+        if nodes == 1 and env.world_size > env.local_world_size:
+            planning["nodes"] = env.world_size // env.local_world_size
+        plan = plan_from_probe(result.to_probe_result(), gpus_per_node=gpus or env.local_world_size, **planning)
+        finding = Finding(result.to_probe_result(), plan, ranks_report=str(result))
+    elif device is None and memory is None and local_gpu_count() > 1:
+        # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
+        console.print(f"probing {local_gpu_count()} GPUs, one worker each…", highlight=False)
+        result, report = spawn_local(probe_worker, (model, load, settings, options))
+        plan = plan_from_probe(result, gpus_per_node=gpus or local_gpu_count(), **planning)
+        finding = Finding(result, plan, ranks_report=report)
+    else:
+        backend = make_backend(device or ("cpu" if memory is not None else None), memory)
+        workload = load_model(model, **load).to_workload(**settings)
+        with console.status("probing…") as status:
+            def progress(trial: Any) -> None:
+                status.update(f"probing… batch {trial.batch} {'fits' if trial.fits else 'is out of memory'}")
+
+            finding = find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=max_batch,
+                                min_micro=min_micro, headroom=_headroom(headroom), on_trial=progress,
+                                use_cache=not no_cache, **planning)
     plan = finding.plan
     written: dict[str, str] = {}
     if deepspeed is not None:
@@ -284,10 +325,17 @@ def find_command(
     if as_json:
         typer.echo(json.dumps({**finding.to_dict(), **written}, indent=2))
         return
+    if plot is not None:
+        from .plot import plot_probe
+
+        plot_probe(finding.probe, plot, chosen=plan.micro_batch)
+        written["plot"] = plot
     out = Console()
     out.print(_device_line(finding.probe.device), highlight=False)
+    if finding.ranks_report:
+        out.print(finding.ranks_report, highlight=False)
     out.print(_trial_table(finding))
-    out.print(str(finding.probe), highlight=False)
+    out.print(str(finding.probe) + (" (cached)" if finding.cached else ""), highlight=False)
     out.print("plan: " + plan.describe(), highlight=False)
     out.print(f"HF TrainingArguments: {' '.join(plan.hf_flags(deepspeed))}", highlight=False)
     for kind, path in written.items():
@@ -373,7 +421,9 @@ def estimate_command(
             write_accelerate_config(plan, accelerate, deepspeed)
             written["accelerate_config"] = accelerate
     if as_json:
-        data = result.to_dict()
+        # The same top-level keys as `find --json`, so scripts read either the same way.
+        data = {"max_micro": result.max_batch, "safe_micro": result.safe_batch,
+                **(plan.to_dict() if plan is not None else {}), **result.to_dict()}
         if plan is not None:
             data["plan"] = plan.to_dict()
         typer.echo(json.dumps({**data, **written}, indent=2))

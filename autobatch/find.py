@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from .solver import solve
 from .trial import Trial
 from .workload import Workload, default_loss
 
-__all__ = ["Finding", "find", "find_plan", "local_gpu_count"]
+__all__ = ["Finding", "find", "find_plan", "plan_from_probe", "probe_worker", "local_gpu_count"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class Finding:
 
     probe: ProbeResult
     plan: Plan
+    cached: bool = False
+    ranks_report: str | None = None  # the per-rank table when every rank probed its own device
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -34,14 +37,44 @@ class Finding:
             "probe": self.probe.to_dict(),
             "trials": [t.to_dict() for t in self.probe.trials],
             "estimated": False,
+            "cached": self.cached,
         }
 
     def __str__(self) -> str:
-        return f"{self.probe}\nplan: {self.plan.describe()}"
+        return f"{self.probe}{' (cached)' if self.cached else ''}\nplan: {self.plan.describe()}"
 
 
 def local_gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan_from_probe(
+    result: ProbeResult,
+    *,
+    target: int | None = None,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    model_parallel: int = 1,
+    multiple_of: int | None = None,
+    base_lr: float | None = None,
+    base_batch: int | None = None,
+) -> Plan:
+    """The plan for ``target`` with the probe's safe batch as the largest micro batch.
+
+    Without a ``target`` the plan is the safe batch on every GPU with no accumulation.
+    """
+    if result.safe_batch < result.min_batch:
+        raise AutobatchError(
+            f"no batch keeps the headroom ({result.headroom_bytes} bytes): even the smallest batch "
+            f"({result.min_batch}) peaks above capacity minus headroom; lower --headroom "
+            f"(max batch without it: {result.max_batch})"
+        )
+    if target is None:
+        return Plan(result.safe_batch, 1, gpus_per_node=gpus_per_node, nodes=nodes, model_parallel=model_parallel,
+                    max_micro=result.safe_batch, min_micro=result.min_batch,
+                    reason="the safe batch on every GPU, no accumulation (no target given)")
+    return solve(target, gpus_per_node, nodes, result.safe_batch, min_micro=result.min_batch,
+                 multiple_of=multiple_of, model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch)
 
 
 def find_plan(
@@ -59,29 +92,42 @@ def find_plan(
     base_lr: float | None = None,
     base_batch: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    use_cache: bool = False,
+    cache_root: Path | None = None,
 ) -> Finding:
     """Probe ``workload`` on ``backend`` and solve for ``target`` with the safe batch as the limit.
 
-    Without a ``target`` the plan is the safe batch on every GPU with no accumulation.
-    ``gpus_per_node`` defaults to the GPUs visible here (1 on a CPU-only machine).
+    ``gpus_per_node`` defaults to the GPUs visible here (1 on a CPU-only machine). With
+    ``use_cache`` a probe already made for the same fingerprint is read from disk
+    (:mod:`autobatch.cache`) instead of run again.
     """
+    from .cache import cached_probe
+
     backend = backend if backend is not None else make_backend()
-    result = probe(workload, backend, max_batch=max_batch, min_batch=min_micro, headroom=headroom, on_trial=on_trial)
+    result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro, headroom=headroom,
+                                  on_trial=on_trial, use_cache=use_cache, root=cache_root)
     if gpus_per_node is None:
         gpus_per_node = max(1, local_gpu_count()) if backend.device.type == "cuda" else 1
-    if result.safe_batch < result.min_batch:
-        raise AutobatchError(
-            f"no batch keeps the headroom of {headroom}: even the smallest batch ({result.min_batch}) peaks above "
-            f"capacity minus headroom; lower --headroom (max batch without it: {result.max_batch})"
-        )
-    if target is None:
-        plan = Plan(result.safe_batch, 1, gpus_per_node=gpus_per_node, nodes=nodes, model_parallel=model_parallel,
-                    max_micro=result.safe_batch, min_micro=result.min_batch,
-                    reason="the safe batch on every GPU, no accumulation (no target given)")
-    else:
-        plan = solve(target, gpus_per_node, nodes, result.safe_batch, min_micro=result.min_batch,
-                     multiple_of=multiple_of, model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch)
-    return Finding(result, plan)
+    plan = plan_from_probe(result, target=target, gpus_per_node=gpus_per_node, nodes=nodes,
+                           model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
+                           base_batch=base_batch)
+    return Finding(result, plan, cached=cached)
+
+
+def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], options: dict[str, Any],
+                 memory: str | None = None) -> tuple[ProbeResult, str]:
+    """One rank of a ``find`` that started its own workers: probe this rank's device in lockstep.
+
+    Module level and built from plain arguments, because workers receive it pickled (a
+    workload's lambdas do not pickle). Returns the agreed result and the per-rank report.
+    """
+    from .distributed import probe_distributed, rank_env
+    from .models import load_model
+
+    workload = load_model(model, **load).to_workload(**settings)
+    device = "cpu" if memory is not None else f"cuda:{rank_env().local_rank}"
+    result = probe_distributed(workload, make_backend(device, memory), **options)
+    return result.to_probe_result(), str(result)
 
 
 def find(

@@ -6,6 +6,12 @@ import torch
 from tests.tiny import cnn_workload, lm_workload, mlp_workload  # noqa: F401  (fixtures' building blocks)
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    # `find` caches probes per user; tests must never read or write a real user's cache.
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path_factory.mktemp("autobatch-cache")))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

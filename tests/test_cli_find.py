@@ -100,12 +100,15 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
     assert "Traceback" not in res.output
 
 
-def test_no_gpu_and_no_device_says_what_to_pass():
+def test_no_gpu_and_no_device_estimates_for_the_default_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    res = invoke("find", "--model", "tiny-mlp")
-    assert res.exit_code != 0
-    assert "--device cpu --memory" in res.stderr and "Traceback" not in res.output
+    res = invoke("find", "--model", "tiny-gpt2", "--target", "64", "--json")
+    assert res.exit_code == 0, res.output
+    assert "estimates for a100-80gb" in res.stderr and "--device cpu --memory" in res.stderr
+    out = json.loads(res.stdout)
+    assert out["estimated"] is True and out["max_micro"] >= out["safe_micro"] > 0
+    assert out["micro_batch"] * out["grad_accum"] * out["world_size"] == 64
 
 
 def test_find_as_a_subprocess():
@@ -145,3 +148,43 @@ def test_python_api_in_three_lines_leaves_the_model_unchanged():
     assert plan.micro_batch * plan.grad_accum == 96
     assert plan.to_deepspeed()["train_batch_size"] == 96
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_second_find_is_cached_and_no_cache_probes_again():
+    args = ["find", "--model", "tiny-mlp", "--target", "100", "--device", "cpu", "--memory", "3MiB", "--json"]
+    first, second = json.loads(invoke(*args).stdout), json.loads(invoke(*args).stdout)
+    assert not first["cached"] and second["cached"]
+    assert second["max_micro"] == first["max_micro"] and second["trials"] == first["trials"]
+    assert not json.loads(invoke(*args, "--no-cache").stdout)["cached"]
+    assert "(cached)" in invoke(*args[:-1]).stdout
+
+
+def test_find_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "probe.png"
+    res = invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--plot", str(png))
+    assert res.exit_code == 0, res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def test_find_under_torchrun_probes_every_rank_and_only_rank_0_prints(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", _free_port(),
+         "-m", "autobatch", "find", "--model", "tiny-gpt2", "--target", "64", "--device", "cpu", "--memory", "8MiB",
+         "--json"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)  # one JSON object: rank 1 printed nothing
+    assert out["world_size"] == 2 and out["gpus_per_node"] == 2
+    assert out["micro_batch"] * out["grad_accum"] * 2 == 64
+    ranks = out["probe"]["distributed"]["ranks"]
+    assert len(ranks) == 2

@@ -1,0 +1,85 @@
+"""Every shell command shown in README.md and the usage docs runs, as written, with the exit code shown.
+
+In fenced ``bash`` blocks, each line is a command; a trailing ``# exit N`` is its expected exit
+code (default 0). ``pip install`` lines and the test command itself are what ``.ci/run`` runs,
+so they are not run again here. Commands run in one temporary directory per document (files a
+command writes are there for the next), with the repository's ``docs/`` reachable as written.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autobatch.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ["README.md", "docs/usage.md", "docs/field-reports.md"]
+_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+_EXIT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
+
+
+def commands(document: str) -> list[tuple[str, int]]:
+    found = []
+    for block in _BLOCK.findall((ROOT / document).read_text()):
+        for line in block.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#") or line.startswith("pip ") or "-m pytest" in line:
+                continue
+            match = _EXIT.search(line)
+            expected = int(match.group(1)) if match else 0
+            found.append((_EXIT.sub("", line) if match else line.split(" #")[0].rstrip(), expected))
+    return found
+
+
+CASES = [(doc, cmd, code) for doc in DOCUMENTS for cmd, code in commands(doc)]
+
+
+def test_every_document_shows_commands():
+    for doc in DOCUMENTS:
+        assert commands(doc), f"{doc} shows no bash commands"
+    assert any(cmd.startswith("autobatch find") for _, cmd, _ in CASES)
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    dirs = {}
+    for doc in DOCUMENTS:
+        work = tmp_path_factory.mktemp(Path(doc).stem)
+        shutil.copytree(ROOT / "docs", work / "docs")
+        dirs[doc] = work
+    return dirs
+
+
+@pytest.mark.parametrize("document, command, expected", CASES, ids=[f"{d}:{c[:60]}" for d, c, _ in CASES])
+def test_command_runs_as_documented(document, command, expected, workdirs, monkeypatch):
+    monkeypatch.chdir(workdirs[document])
+    if command.startswith("autobatch "):
+        # In-process through typer's runner: the same command, without a fresh interpreter per line
+        # (tests/test_cli_*.py run the console entry point as a subprocess too).
+        result = CliRunner().invoke(app, shlex.split(command)[1:])
+        code, stdout, stderr = result.exit_code, result.stdout, result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+    else:
+        proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    assert code == expected, f"{command}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    if expected == 2:
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+
+
+_PYTHON = re.compile(r"```python\n(.*?)```", re.S)
+SNIPPETS = [(doc, i, code) for doc in DOCUMENTS for i, code in enumerate(_PYTHON.findall((ROOT / doc).read_text()))]
+
+
+@pytest.mark.parametrize("document, index, code", SNIPPETS, ids=[f"{d}:python{i}" for d, i, _ in SNIPPETS])
+def test_python_snippet_runs(document, index, code, capsys):
+    exec(compile(code, f"{document}[python {index}]", "exec"), {"__name__": "__doc_snippet__"})
+

@@ -581,7 +581,8 @@ def check_setup(
             "a model with BatchNorm needs at least 2 samples per GPU, but the micro batch is 1"
             + (f" in {ds_loaded[0]}" if ds_loaded is not None and flags.micro != 1 else "")
             + "; training fails with 'Expected more than 1 value per channel when training'",
-            _fix_for(resolved.target, *topo, 2) if resolved.target is not None else "use a micro batch of at least 2",
+            "use a micro batch of at least 2"
+            + (f": {_fix_for(resolved.target, *topo, 2)}" if resolved.target is not None else ""),
             micro_batch=1,
         )
     if resolved.target is None and resolved.micro is None and ds_loaded is None and not c.problems:

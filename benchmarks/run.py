@@ -189,6 +189,12 @@ METHOD = f"""## Method
 - **accelerate** `find_executable_batch_size(starting_batch_size={ACCELERATE_START})`, default
   reduction (× 0.9 after each OOM); the decorated function trains 2 steps. {ACCELERATE_START}
   is above every true maximum here (the default, 128, is below two of them).
+- **Steps** are counted when a step's loss is computed; a trial that runs out of memory while
+  making its batch (accelerate's first tries at 1024 on the small budgets) costs no step.
+- **Where autobatch needs more than 4 trials**: the MLP (6) is set by AdamW's step, not its
+  activations, at every batch below ~470: the first points sit on that flat peak, so the search
+  climbs 1, 3, 70, 306 before its line reaches the boundary (547 fits, 548 fails); tiny-lm @ 6MiB
+  (5) tried 1, 6, 7, then 9, two past the boundary, so 8 had to be tried as well.
 - **True max**: `full` = every batch from the smallest allowed (2 for the BatchNorm model, else
   1) up to the first that runs out of memory, plus 8 more that must all fail (a fit there would
   break monotonicity). `window` (gpt2 only) = every batch within 8 of autobatch's answer.

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 from .trial import Trial
 
-__all__ = ["SearchOutcome", "search_max", "predict_batch", "chord_batch", "fit_line", "HARD_MAX_BATCH"]
+__all__ = ["SearchOutcome", "search_max", "predict_batch", "chord_batch", "bends_up", "fit_line", "HARD_MAX_BATCH"]
 
 HARD_MAX_BATCH = 1 << 20  # a cap even when none is given: memory that never grows is a bug to report
 _MAX_MISSES = 4            # predictions stuck against a bound this often: plain bisection from then on
+_CHORD_REACH = 4           # how far past the chord (a batch that should fit) one step may reach
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,19 @@ def fit_line(points: dict[int, int]) -> tuple[float, float] | None:
     if slope <= 0:
         return None
     return points[anchor] - slope * anchor, slope
+
+
+def bends_up(points: dict[int, int], tolerance: float = 0.01) -> bool:
+    """True when the largest point lies above the line through the two below it (by ``tolerance``).
+
+    Then the points straddle a change of regime (gradients setting the peak at small batches,
+    activations at large ones), and a line through them underestimates the slope ahead.
+    """
+    if len(points) < 3:
+        return False
+    b0, b1, b2 = sorted(points)[-3:]
+    slope = (points[b1] - points[b0]) / (b1 - b0)
+    return points[b2] > (points[b1] + slope * (b2 - b1)) * (1 + tolerance)
 
 
 def predict_batch(
@@ -129,17 +143,19 @@ class _Search:
             if misses < _MAX_MISSES:
                 prediction = predict_batch(self.phases, self.resident, self.capacity)
                 chord = chord_batch(self.phases[0], self.resident, self.capacity)
-                # The line through measured points overshoots where the curve bends up; the chord
-                # undershoots. Far apart, try their geometric mean: either outcome halves the doubt.
-                if prediction is not None and chord is not None and self.lo < chord < prediction / 2:
-                    prediction = int((chord * prediction) ** 0.5)
+                # The line overshoots where the curve bends up, or where gradients, not activations,
+                # set the small batches' peaks (a flat line); the chord should fit. Far apart (or the
+                # line past a failure), try their geometric mean, never more than 4× past the chord.
+                if prediction is not None and chord is not None and chord > self.lo:
+                    ceiling = prediction if self.hi is None else min(prediction, self.hi - 1)
+                    if chord < ceiling and bends_up(self.phases[0]):
+                        # The largest point sits above the line through the two before it: it is in the
+                        # regime that sets the boundary, and so is the chord through it.
+                        prediction = chord
+                    elif chord < ceiling / 2 or (self.hi is not None and prediction >= self.hi):
+                        prediction = min(int((chord * max(chord, ceiling)) ** 0.5), _CHORD_REACH * chord)
             if prediction is None:
                 batch = self.clamp(2 * self.lo if middle is None else middle)
-            elif self.hi is not None and prediction >= self.hi and chord is not None:
-                # The line points at or past a batch that failed: it overshoots. The chord from
-                # the largest fit is a batch that should fit, nearer the boundary each time.
-                batch = self.clamp(max(chord, middle) if side < 0 else chord)
-                side = -1
             else:
                 batch = self.clamp(prediction)
                 # Clamped onto a bound means the prediction points outside the bracket: the line is

@@ -91,3 +91,22 @@ def test_chord_is_below_the_boundary_of_a_curve_that_bends_up():
     memory = lambda b: max(2_000 + 10 * b, 1_000 + 20 * b)  # noqa: E731  (resident 1_000)
     chord = chord_batch({50: memory(50)}, 1_000, 10_000)
     assert chord is not None and memory(chord) <= 10_000
+
+
+def test_gradients_setting_small_batch_peaks_does_not_send_the_search_far_past_the_boundary():
+    # gpt2 at short sequences: at small batches the gradients, not the activations, set the
+    # forward/backward peak, so a line through the first points is nearly flat.
+    resident, grads, per_sample = 2_000_000_000, 500_000_000, 40_000_000
+    fb = lambda b: resident + max(grads + b * per_sample // 20, per_sample * b)  # noqa: E731
+    capacity = fb(33) + 1000
+
+    def run(b):
+        peak = max(fb(b), resident + grads)
+        return Trial(b, peak <= capacity, peak, peak, forward_backward_bytes=fb(b),
+                     optimizer_bytes=resident + grads, resident_bytes=resident if peak <= capacity else None)
+
+    outcome = search_max(run, capacity)
+    assert outcome.max_batch == 33
+    assert len(outcome.trials) <= 6
+    assert max(t.batch for t in outcome.trials) <= 4 * 33  # never a wild jump
+

@@ -31,10 +31,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .backends import DeviceInfo, MemoryBackend, Peak
+from .backends import DeviceInfo, SimulatedBackend
 from .errors import AutobatchError, NoBatchFitsError
 from .gpus import GpuSpec, resolve_gpu
-from .memtrack import MemoryTracker
 from .modelinfo import min_batch_for
 from .overheads import Overheads
 from .probe import DEFAULT_HEADROOM, resolve_headroom
@@ -141,17 +140,17 @@ class _FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _FakeBackend(MemoryBackend):
-    """A backend whose trials run on fake tensors: peaks are exact storage bytes, no budget."""
+class _FakeBackend(SimulatedBackend):
+    """A backend whose trials run on fake tensors: peaks are exact storage bytes, no budget.
+
+    The simulated backend's storage counter, entered under ``FakeTensorMode``: its
+    ``reset_peak``/``peak``/``allocated_bytes`` are the simulated backend's own.
+    """
 
     def __init__(self, fake_mode: Any, fused_attention: bool):
-        self.device = torch.device("cpu")
+        super().__init__(1 << 62)  # no budget: the search's capacity is the GPU's, not this one's
         self.fake_mode = fake_mode
         self.fused_attention = fused_attention
-        self._tracker = MemoryTracker(budget=None)
-
-    def capacity(self) -> int:
-        return 1 << 62
 
     def info(self) -> DeviceInfo:
         return DeviceInfo("fake", "fake tensors", None, None, None, None, self.capacity())
@@ -166,15 +165,6 @@ class _FakeBackend(MemoryBackend):
             self._tracker.reset_peak()
             stack.enter_context(self._tracker)
             yield
-
-    def reset_peak(self) -> None:
-        self._tracker.reset_peak()
-
-    def peak(self) -> Peak:
-        return Peak(self._tracker.peak_bytes, self._tracker.peak_bytes)
-
-    def allocated_bytes(self) -> int:
-        return self._tracker.current_bytes
 
 
 def _new_fake_mode() -> Any:

@@ -12,7 +12,7 @@ import torch
 from .backends import MemoryBackend
 from .errors import AutobatchError
 from .plan import Plan
-from .probe import DEFAULT_HEADROOM, ProbeResult, make_backend, probe
+from .probe import DEFAULT_HEADROOM, ProbeResult, make_backend
 from .solver import solve
 from .trial import Trial
 from .workload import Workload, default_loss

@@ -16,7 +16,7 @@ from .backends import MemoryBackend
 from .oom import is_oom_error
 from .workload import Workload, make_optimizer, resolve_dtype
 
-__all__ = ["Trial", "run_trial", "to_device"]
+__all__ = ["Trial", "run_trial", "forward_backward", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
+def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
+    """One micro-batch's forward and backward at ``batch_size`` (gradients accumulate in ``model``)."""
     # A function of its own so the batch, activations and loss die with its frame.
     batch = to_device(workload.make_batch(batch_size), device)
     dtype = resolve_dtype(workload.dtype)
@@ -111,7 +112,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
                 backend.synchronize()
                 start = time.perf_counter()
                 phase = "forward_backward"
-                _forward_backward(workload, model, batch_size, backend.device)
+                forward_backward(workload, model, batch_size, backend.device)
                 peaks.read(phase)
                 phase = "optimizer"
                 _optimizer_step(optimizer)

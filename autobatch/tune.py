@@ -21,7 +21,6 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,8 @@ from .plan import Plan, require_positive_int
 from .preserve import borrowed_model
 from .probe import DEFAULT_HEADROOM, ProbeResult, make_backend
 from .solver import exact_plans, solve
-from .trial import to_device
-from .workload import Workload, make_optimizer, resolve_dtype
+from .trial import forward_backward
+from .workload import Workload, make_optimizer
 
 __all__ = ["Candidate", "Measurement", "TuneResult", "tune", "time_plan", "candidate_plans", "list_studies",
            "SlowerThanBestPruner"]
@@ -142,16 +141,6 @@ class TuneResult:
 # --- timing -----------------------------------------------------------------------------------
 
 
-def _micro_step(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
-    # Its own frame, so the batch and activations die before the next step.
-    batch = to_device(workload.make_batch(batch_size), device)
-    dtype = resolve_dtype(workload.dtype)
-    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
-    with autocast:
-        loss = workload.loss_fn(model, batch)
-    loss.backward()
-
-
 def time_plan(
     workload: Workload,
     model: torch.nn.Module,
@@ -191,7 +180,7 @@ def time_plan(
                 for i in range(steps + 1):
                     backend.synchronize()
                     start = time.perf_counter()
-                    _micro_step(workload, lent, plan.micro_batch, device)
+                    forward_backward(workload, lent, plan.micro_batch, device)
                     backend.synchronize()
                     middle = time.perf_counter()
                     optimizer.step()

@@ -3,8 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import cnn_workload, lm_workload, mlp_workload  # noqa: F401  (fixtures' building blocks)
-
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):

@@ -26,15 +26,15 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-_state = {"debug": os.environ.get("AUTOBATCH_DEBUG", "") not in ("", "0")}
+_state = {"debug": False}
 
 
 @app.callback()
 def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show the full traceback on errors."),
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback on errors (or AUTOBATCH_DEBUG=1)."),
 ) -> None:
-    if debug:
-        _state["debug"] = True
+    # Set on every invocation, so one --debug run does not leak into the next in the same process.
+    _state["debug"] = debug or os.environ.get("AUTOBATCH_DEBUG", "") not in ("", "0")
 
 
 def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -188,3 +188,10 @@ def test_find_under_torchrun_probes_every_rank_and_only_rank_0_prints(tmp_path):
     assert out["micro_batch"] * out["grad_accum"] * 2 == 64
     ranks = out["probe"]["distributed"]["ranks"]
     assert len(ranks) == 2
+
+
+def test_debug_shows_the_traceback_and_does_not_stick():
+    res = invoke("--debug", "find", "--model", "nope", "--device", "cpu", "--memory", "1GiB")
+    assert res.exit_code != 0 and res.exception is not None and "unknown model" in str(res.exception)
+    res = invoke("find", "--model", "nope", "--device", "cpu", "--memory", "1GiB")
+    assert res.exit_code == 2 and res.stderr.startswith("Error: unknown model")

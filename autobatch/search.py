@@ -170,15 +170,15 @@ class _Search:
             fits = self.attempt(batch)
             if self.done:
                 break
-            # A first miss sets the gallop's stride to a sixteenth of the bracket: allocator
+            # A first miss sets the gallop's stride to a sixty-fourth of the bracket: allocator
             # rounding makes the boundary fuzzy by a share of the batch, not by a fixed count.
             if prediction is not None and fits and batch == lo + 1:
                 if side != 1:
-                    stride = max(2, ((self.hi or 2 * self.lo) - self.lo) // 16)
+                    stride = max(2, ((self.hi or 2 * self.lo) - self.lo) // 64)
                 side, misses = 1, misses + 1
             elif prediction is not None and not fits and hi is not None and batch == hi - 1:
                 if side != -1:
-                    stride = max(2, (self.hi - self.lo) // 16)
+                    stride = max(2, (self.hi - self.lo) // 64)
                 side, misses = -1, misses + 1
         limited = "max_batch" if self.lo == self.cap and self.hi is None else "memory"
         return SearchOutcome(self.lo, limited, tuple(self.trials))

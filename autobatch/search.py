@@ -8,9 +8,12 @@ Peak memory is close to affine in the batch, ``peak(b) ≈ a + c·b``. The searc
 2. fits the line through two measured points far apart and predicts the boundary ``b*``;
 3. confirms: every candidate is clamped into the open bracket (largest fit, smallest failure),
    so after ``b*`` fits the next candidate is ``b* + 1``, and after it fails ``b* − 1``;
-4. where predictions keep landing on a bound without ending the search (the line is off by
-   more than one), gallops from that bound (strides 2, 4, 8, … never past the middle of the
-   bracket) and predicts again from the new points; after a few such misses it bisects.
+4. where the curve bends up (the largest point above the line through the two before it),
+   tries the chord from the resident memory through that point, a batch that should fit;
+   where line and chord are far apart, their geometric mean, never more than 4× past the chord;
+5. where predictions keep landing on a bound without ending the search (the line is off by
+   more than one), gallops from that bound (never past the middle of the bracket) and predicts
+   again from the new points; after a few such misses it bisects.
 
 It stops only when the largest batch that fits and the smallest that fails are adjacent (or
 the cap is reached), so the answer is exact whenever memory grows with the batch.

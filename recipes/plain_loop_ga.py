@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 
 import torch
@@ -113,6 +114,12 @@ def main() -> None:
             print(f"step {step:4d}  loss {step_loss.item():.4f}  ({norm.total} target tokens)")
 
     if distributed:
+        # Free DDP now (its reducer sits in reference cycles, so `del` alone leaves it for the
+        # garbage collector) and let every rank get here before gloo is torn down; otherwise a rank
+        # can abort at exit with "terminate called without an active exception".
+        del net
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

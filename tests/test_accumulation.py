@@ -280,12 +280,14 @@ def tiny_llama():  # type: ignore[no-untyped-def]
     return transformers.LlamaForCausalLM(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["default", "compute_loss_func", "subclass"])
 def test_hf_trainer_under_ga_matches_the_big_batch(tmp_path, path: str) -> None:  # type: ignore[no-untyped-def]
     """docs: the model's own loss, compute_loss_func and a compute_loss override, in a real Trainer step."""
     assert trainer_step_error(tiny_llama(), padded_lm_batch(8, 32, 97), tmp_path, path) <= 1e-5
 
 
+@pytest.mark.slow
 def test_hf_trainer_counts_gpt2_labels_unshifted_unless_loss_type_is_set(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """docs: GPT2LMHeadModel has no loss_type, so Trainer over-counts num_items_in_batch by one per sequence."""
     batch = padded_lm_batch(8, 32, 97)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "plain_loop_ga.py"
 TIMEOUT_S = 60
 
@@ -46,6 +48,7 @@ def test_single_process_verifies_then_trains() -> None:
     assert len(trained) == 4 and trained[-1] < trained[0] * 0.6
 
 
+@pytest.mark.slow
 def test_ddp_with_two_gloo_processes() -> None:
     # --standalone: torchrun picks a free port itself, so parallel runs cannot collide.
     out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -9,6 +9,7 @@ Rank 0 compares with the single-process big batch. The same file is the worker: 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from autobatch.verify_ga import padded_lm_batch, split_batch
 
 WORLD, GA, MICRO, VOCAB, SEQ = 2, 2, 2, 29, 12  # 2 micro * 2 GA * 2 ranks = 8 samples
 TIMEOUT_S = 45
+pytestmark = pytest.mark.slow  # two subprocesses that each import torch
 
 
 class TinyLM(torch.nn.Module):
@@ -100,6 +102,8 @@ def worker(rank: int, store: str, out: str) -> None:
                 }
         if rank == 0:
             Path(out).write_text(json.dumps(results))
+        gc.collect()  # free the DDP objects (reference cycles) before gloo goes; see the recipe
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -168,6 +168,18 @@ def _markdown(records: list[dict[str, Any]], summary: dict[str, Any], meta: dict
     lines += ["", "## Notes per case", ""] + (notes or ["- none"])
     lines += ["", "Oracle disagreements (a tool's fit/fail verdict differing from the scan's at the same batch):", ""]
     lines += disagreements or ["- none: every verdict of every tool matched the exhaustive scan."]
+    lines += ["", "Where autobatch needed more than 4 trials, the batches it tried (✓ fits, ✗ out of memory):", ""]
+    lines += [
+        f"- {r['case']} ({t['trials']}): " + ", ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in t["tried"])
+        for r in records for name, t in r["tools"].items() if name == "autobatch" and t["trials"] > 4
+    ] or ["- none"]
+    lines += [
+        "",
+        "Small batches whose peak is set by the optimizer step or the gradients rather than the "
+        "activations (the MLP: AdamW's step sets it below a few hundred samples) give a flat line, "
+        "so the search climbs by chords before the line reaches the boundary; a prediction one or "
+        "two past the boundary costs one or two trials back down (see docs/search.md).",
+    ]
     lines += ["", meta["method"]]
     return "\n".join(lines) + "\n"
 
@@ -191,10 +203,6 @@ METHOD = f"""## Method
   is above every true maximum here (the default, 128, is below two of them).
 - **Steps** are counted when a step's loss is computed; a trial that runs out of memory while
   making its batch (accelerate's first tries at 1024 on the small budgets) costs no step.
-- **Where autobatch needs more than 4 trials**: the MLP (6) is set by AdamW's step, not its
-  activations, at every batch below ~470: the first points sit on that flat peak, so the search
-  climbs 1, 3, 70, 306 before its line reaches the boundary (547 fits, 548 fails); tiny-lm @ 6MiB
-  (5) tried 1, 6, 7, then 9, two past the boundary, so 8 had to be tried as well.
 - **True max**: `full` = every batch from the smallest allowed (2 for the BatchNorm model, else
   1) up to the first that runs out of memory, plus 8 more that must all fail (a fit there would
   break monotonicity). `window` (gpt2 only) = every batch within 8 of autobatch's answer.

@@ -36,8 +36,8 @@ from .errors import AutobatchError, NoBatchFitsError
 from .gpus import GpuSpec, resolve_gpu
 from .modelinfo import min_batch_for
 from .overheads import Overheads
-from .probe import DEFAULT_HEADROOM, resolve_headroom
-from .search import fit_line, predict_batch, search_max
+from .probe import DEFAULT_HEADROOM, resolve_headroom, summarise
+from .search import search_max
 from .trial import Trial, run_trial
 from .units import format_bytes
 from .workload import Workload, resolve_dtype
@@ -258,20 +258,6 @@ def _on_gpu(trial: Trial, overheads: Overheads, capacity: int) -> Trial:
     )
 
 
-def _safe(trials: Sequence[Trial], max_batch: int, limit: int) -> tuple[int, int | None]:
-    fits = {t.batch: t.reserved_bytes for t in trials if t.fits}
-    phases = ({t.batch: t.forward_backward_bytes for t in trials if t.fits},
-              {t.batch: t.optimizer_bytes for t in trials if t.fits})
-    floor_ = max((b for b, peak in fits.items() if peak <= limit), default=0)
-    ceiling = min((b for b, peak in fits.items() if peak > limit), default=max_batch + 1) - 1
-    predicted = predict_batch(phases, None, limit) if fit_line(phases[0]) is not None else None
-    safe = min(max_batch, floor_ if predicted is None else max(floor_, min(ceiling, predicted)))
-    if safe in fits:
-        return safe, fits[safe]
-    lines = [line for line in map(fit_line, phases) if line is not None]
-    return safe, (int(max(a + c * safe for a, c in lines)) if lines and safe else None)
-
-
 def estimate(
     workload: Workload,
     gpu: str | GpuSpec | None = None,
@@ -342,21 +328,19 @@ def estimate(
             f"(usable {format_bytes(capacity)}); use a shorter sequence, bf16, gradient checkpointing, "
             "a smaller model or a larger GPU"
         )
-    safe, safe_peak = _safe(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
-    fitted = {t.batch: t.forward_backward_bytes for t in outcome.trials if t.fits}
-    line = fit_line(fitted)
+    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
     dtype = resolve_dtype(workload.dtype)
     return Estimate(
         max_batch=outcome.max_batch,
-        safe_batch=safe,
+        safe_batch=summary.safe_batch,
         limited_by=outcome.limited_by,
         min_batch=min_batch,
         gpu=spec,
         capacity_bytes=capacity,
         headroom_bytes=headroom_bytes,
-        bytes_per_sample=line[1] if line else None,
-        fixed_bytes=line[0] if line else None,
-        safe_peak_bytes=safe_peak,
+        bytes_per_sample=summary.bytes_per_sample,
+        fixed_bytes=summary.fixed_bytes,
+        safe_peak_bytes=summary.safe_peak_bytes,
         overheads=overheads,
         trials=outcome.trials,
         traced=tuple(traced),

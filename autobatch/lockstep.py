@@ -26,8 +26,8 @@ from .ddp import ddp_for_trials
 from .errors import AutobatchError, NoBatchFitsError
 from .modelinfo import min_batch_for
 from .preserve import borrowed_model
-from .probe import DEFAULT_HEADROOM, ProbeResult, _phases, _safe_batch, make_backend, resolve_headroom
-from .search import fit_line, predict_batch, search_max
+from .probe import DEFAULT_HEADROOM, ProbeResult, make_backend, phase_points, resolve_headroom, summarise
+from .search import predict_batch, search_max
 from .trial import Trial, run_trial
 from .units import format_bytes
 from .workload import Workload
@@ -264,7 +264,7 @@ def _agreed(batch: int, trials: list[Trial]) -> Trial:
 def _rank_report(rank: int, local_rank: int, host: str, device: DeviceInfo, trials: list[Trial]) -> RankReport:
     fits = [t.batch for t in trials if t.fits]
     fails = [t.batch for t in trials if not t.fits]
-    phases = _phases(tuple(trials))
+    phases = phase_points(tuple(trials))
     resident = next((t.resident_bytes for t in reversed(trials) if t.resident_bytes is not None), None)
     predicted = predict_batch(phases, resident, device.capacity_bytes) if fits else None
     return RankReport(
@@ -396,11 +396,10 @@ def probe_distributed(
     limiting = () if outcome.limited_by == "max_batch" or failed_at is None else tuple(
         r.rank for r in reports if any(t.batch == failed_at and not t.fits for t in r.trials)
     )
-    safe, safe_peak, measured = _safe_batch(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
-    line = fit_line(_phases(outcome.trials)[0])
+    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
     return DistributedProbeResult(
         max_batch=outcome.max_batch,
-        safe_batch=safe,
+        safe_batch=summary.safe_batch,
         limited_by=outcome.limited_by,
         min_batch=min_batch,
         world_size=world,
@@ -409,10 +408,10 @@ def probe_distributed(
         limiting_ranks=limiting,
         capacity_bytes=capacity,
         headroom_bytes=headroom_bytes,
-        bytes_per_sample=line[1] if line else None,
-        fixed_bytes=line[0] if line else None,
-        safe_peak_bytes=safe_peak,
-        safe_peak_measured=measured,
+        bytes_per_sample=summary.bytes_per_sample,
+        fixed_bytes=summary.fixed_bytes,
+        safe_peak_bytes=summary.safe_peak_bytes,
+        safe_peak_measured=summary.safe_peak_measured,
         wrapped="ddp" if use_ddp else None,
         workload=workload.name,
     )

@@ -17,7 +17,7 @@ from .trial import Trial, run_trial
 from .units import format_bytes, parse_bytes
 from .workload import Workload
 
-__all__ = ["ProbeResult", "probe", "make_backend", "resolve_headroom", "DEFAULT_HEADROOM"]
+__all__ = ["ProbeResult", "probe", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
@@ -121,25 +121,45 @@ def resolve_headroom(headroom: float | int | str, capacity: int) -> int:
     return size
 
 
-def _phases(trials: tuple[Trial, ...]) -> tuple[dict[int, int], dict[int, int]]:
+def phase_points(trials: tuple[Trial, ...] | list[Trial]) -> tuple[dict[int, int], dict[int, int]]:
+    """Measured peaks of the trials that fit, per phase: (forward+backward, optimizer)."""
     fits = [t for t in trials if t.fits]
     return ({t.batch: t.forward_backward_bytes for t in fits}, {t.batch: t.optimizer_bytes for t in fits})
 
 
-def _safe_batch(trials: tuple[Trial, ...], max_batch: int, limit: int) -> tuple[int, int | None, bool]:
+@dataclass(frozen=True)
+class MemorySummary:
+    """What the trials say beyond the max: the safe batch and the fitted memory line."""
+
+    safe_batch: int
+    safe_peak_bytes: int | None   # measured when a trial ran at safe_batch, else predicted
+    safe_peak_measured: bool
+    bytes_per_sample: float | None
+    fixed_bytes: float | None
+
+
+def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: int) -> MemorySummary:
+    """The largest batch ≤ ``max_batch`` whose peak stays within ``limit`` bytes, and the line.
+
+    Measured peaks bound the answer from both sides; between them the per-phase lines decide.
+    Shared by the probe, the lockstep probe across ranks and the estimate.
+    """
     fits = {t.batch: t.reserved_bytes for t in trials if t.fits}
     floor_ = max((b for b, peak in fits.items() if peak <= limit), default=0)
     ceiling = min((b for b, peak in fits.items() if peak > limit), default=max_batch + 1) - 1
-    phases = _phases(trials)
+    phases = phase_points(trials)
+    growing = fit_line(phases[0])
     lines = [line for line in map(fit_line, phases) if line is not None]
-    predicted = predict_batch(phases, None, limit) if fit_line(phases[0]) is not None else None
+    predicted = predict_batch(phases, None, limit) if growing is not None else None
     safe = floor_ if predicted is None else max(floor_, min(ceiling, predicted))
     safe = min(safe, max_batch)
     if safe in fits:
-        return safe, fits[safe], True
-    if safe == 0 or not lines:
-        return safe, None, False
-    return safe, int(max(line[0] + line[1] * safe for line in lines)), False
+        peak, measured = fits[safe], True
+    elif safe == 0 or not lines:
+        peak, measured = None, False
+    else:
+        peak, measured = int(max(line[0] + line[1] * safe for line in lines)), False
+    return MemorySummary(safe, peak, measured, growing[1] if growing else None, growing[0] if growing else None)
 
 
 def probe(
@@ -211,20 +231,19 @@ def probe(
             f"(capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); "
             "use a shorter sequence, bf16, gradient checkpointing, a smaller model or a larger device"
         )
-    safe, safe_peak, measured = _safe_batch(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
-    line = fit_line(_phases(outcome.trials)[0])
+    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
     return ProbeResult(
         max_batch=outcome.max_batch,
-        safe_batch=safe,
+        safe_batch=summary.safe_batch,
         limited_by=outcome.limited_by,
         min_batch=min_batch,
         trials=outcome.trials,
         device=backend.info(),
         capacity_bytes=capacity,
         headroom_bytes=headroom_bytes,
-        bytes_per_sample=line[1] if line else None,
-        fixed_bytes=line[0] if line else None,
-        safe_peak_bytes=safe_peak,
-        safe_peak_measured=measured,
+        bytes_per_sample=summary.bytes_per_sample,
+        fixed_bytes=summary.fixed_bytes,
+        safe_peak_bytes=summary.safe_peak_bytes,
+        safe_peak_measured=summary.safe_peak_measured,
         workload=workload.name,
     )

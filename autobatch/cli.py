@@ -553,7 +553,17 @@ def cache_clear_command() -> None:
 
 
 def main() -> None:
-    app(prog_name="autobatch")
+    from .distributed import exit_rank, is_launched
+
+    if not is_launched():
+        app(prog_name="autobatch")
+        return
+    try:
+        app(prog_name="autobatch")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    exit_rank(code)  # under torchrun / accelerate launch: see exit_rank for why
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,5 +55,8 @@ def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend) -> Iterator[t
             yield wrapped
     finally:
         # The reducer owns the buckets and the autograd hooks on the user's parameters; dropping
-        # the wrapper frees the former and removes the latter.
+        # the wrapper frees the former and removes the latter. It sits in reference cycles, so
+        # collect it now, while its process group is alive: destroyed later, during interpreter
+        # exit, it can abort the process ("terminate called without an active exception").
         del wrapped
+        gc.collect()

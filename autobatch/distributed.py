@@ -10,7 +10,9 @@ inside the group is :func:`~autobatch.lockstep.probe_distributed`, re-exported h
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import pickle
 import socket
 import tempfile
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ __all__ = [
     "is_main_process",
     "process_group",
     "spawn_local",
+    "exit_rank",
     "probe_distributed",
     "DistributedProbeResult",
     "RankReport",
@@ -157,7 +160,28 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
     try:
         yield env
     finally:
+        # DDP's reducer sits in reference cycles; collect it, and let every rank get here, before
+        # the group is torn down, or a rank can abort at exit with "terminate called without an
+        # active exception". A failed barrier (a rank already gone) must not hide the real error.
+        gc.collect()
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
         dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a launched rank after its work is done, printed, written and flushed.
+
+    Torch's C++ teardown at interpreter exit, after a clean ``destroy_process_group``, can abort
+    a finished process now and then ("terminate called without an active exception"), and the
+    launcher then reports the whole job as failed. Nothing is left to do at that point, so the
+    rank skips that teardown and exits with its own code.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _free_port() -> int:

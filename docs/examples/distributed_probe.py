@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from autobatch import SimulatedBackend, Workload
-from autobatch.distributed import is_launched, probe_distributed, process_group, rank_env, spawn_local
+from autobatch.distributed import exit_rank, is_launched, probe_distributed, process_group, rank_env, spawn_local
 from autobatch.probe import make_backend
 
 
@@ -60,6 +60,7 @@ def main() -> None:
             result = job()
             if rank_env().is_main:  # only rank 0 prints and writes
                 print(result)
+        exit_rank(0)  # skip torch's native teardown, which can abort a finished rank
     else:
         nprocs = args.nproc or torch.cuda.device_count() or 1
         print(spawn_local(job, nprocs=nprocs))

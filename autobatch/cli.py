@@ -167,6 +167,7 @@ def check_command(
     deepspeed: str | None = typer.Option(None, "--deepspeed", help="DeepSpeed JSON to check."),
     accelerate: str | None = typer.Option(None, "--accelerate", help="accelerate config YAML to check."),
     batchnorm: bool = typer.Option(False, "--batchnorm", help="The model has BatchNorm (needs ≥ 2 samples per GPU)."),
+    model: str | None = typer.Option(None, "--model", help="Check this model for BatchNorm (a name from `autobatch models`, hf:DIR, file.py:fn)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Report every batch-size problem in a setup before launch, each with its fix. Exit 1 if any."""
@@ -174,9 +175,18 @@ def check_command(
 
     from .check import check_setup
 
+    module = None
+    if model is not None:
+        import torch
+
+        from .models import load_model
+
+        with torch.device("meta"):  # only the layers matter here: no memory, no weights
+            module = load_model(model).model
     result = check_setup(
         target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
         model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
+        model=module,
     )
     typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:

@@ -195,3 +195,18 @@ def test_debug_shows_the_traceback_and_does_not_stick():
     assert res.exit_code != 0 and res.exception is not None and "unknown model" in str(res.exception)
     res = invoke("find", "--model", "nope", "--device", "cpu", "--memory", "1GiB")
     assert res.exit_code == 2 and res.stderr.startswith("Error: unknown model")
+
+
+def test_distributed_doc_find_command_runs_as_written():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    line = next(l for l in re.findall(r"```bash\n(.*?)```", doc, re.S)[-1].splitlines() if "-m autobatch find" in l)
+    argv = line.split()
+    argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("plan: ") == 1  # rank 0 alone prints
+    assert "× 2 GPUs (2 per node × 1 node) = 64" in proc.stdout.replace("\n", " ")

@@ -11,7 +11,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -27,6 +27,21 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _state = {"debug": False}
+
+
+# Options several commands share: one definition each, so their flags and help never drift.
+ModelSpec = Annotated[str, typer.Option("--model", help='Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn.')]
+Nodes = Annotated[int, typer.Option("--nodes", help='Number of nodes.')]
+ModelParallel = Annotated[int, typer.Option("--model-parallel", help='Tensor × pipeline parallel degree.')]
+SeqLen = Annotated[int | None, typer.Option("--seq-len", help='Tokens per sample, the longest you train on.')]
+Dtype = Annotated[str, typer.Option("--dtype", help='fp32, bf16 or fp16 (autocast).')]
+OptimizerName = Annotated[str, typer.Option("--optimizer", help='adamw, adam, sgd, sgd-nomomentum or adafactor.')]
+Headroom = Annotated[str, typer.Option("--headroom", help='Memory kept free for the safe batch: 5%, 0.05 or 2GiB.')]
+MaxBatch = Annotated[int | None, typer.Option("--max-batch", help='Never try a per-GPU batch above this.')]
+MinMicro = Annotated[int | None, typer.Option("--min-micro", help='Smallest per-GPU batch (default 2 with BatchNorm, else 1).')]
+MultipleOf = Annotated[int | None, typer.Option("--multiple-of", help='Per-GPU batch must be a multiple of this.')]
+DeviceName = Annotated[str | None, typer.Option("--device", help='cuda, cuda:N, or cpu (with --memory: simulated budget).')]
+SimulatedMemory = Annotated[str | None, typer.Option("--memory", help='Simulated device memory for --device cpu, e.g. 2GiB.')]
 
 
 @app.callback()
@@ -70,11 +85,11 @@ def fail(message: str) -> None:
 
 @command("verify-ga")
 def verify_ga_command(
-    model: str = typer.Option(..., "--model", help="Built-in model name (see autobatch.models)."),
+    model: ModelSpec,
     micro_batch: int = typer.Option(..., "--micro-batch", help="Samples per micro-batch per rank."),
     grad_accum: int = typer.Option(..., "--grad-accum", help="Micro-batches accumulated per optimizer step."),
     world_size: int = typer.Option(1, "--world-size", help="Data-parallel ranks, simulated in this process."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Sequence length of the padded LM batch."),
+    seq_len: SeqLen = None,
     normalised: bool = typer.Option(
         False, "--normalised/--naive",
         help="Check autobatch's token-normalised loss, or (default) the naive mean per micro-batch / GA.",
@@ -106,11 +121,11 @@ def verify_ga_command(
 def solve_command(
     target: int = typer.Option(..., "--target", help="Global batch per optimizer step."),
     gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
-    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
+    nodes: Nodes = 1,
     max_micro: int | None = typer.Option(None, "--max-micro", help="Largest per-GPU batch that fits in memory."),
     min_micro: int = typer.Option(1, "--min-micro", help="Smallest per-GPU batch; 2 for BatchNorm models."),
-    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
+    multiple_of: MultipleOf = None,
+    model_parallel: ModelParallel = 1,
     base_lr: float | None = typer.Option(None, "--base-lr", help="Learning rate tuned at --base-batch."),
     base_batch: int | None = typer.Option(None, "--base-batch", help="Global batch --base-lr was tuned at."),
     deepspeed: str | None = typer.Option(
@@ -163,7 +178,7 @@ def check_command(
         None, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes). Default: from --accelerate, else 1."
     ),
     nodes: int | None = typer.Option(None, "--nodes", help="Number of nodes. Default: from --accelerate, else 1."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
+    model_parallel: ModelParallel = 1,
     deepspeed: str | None = typer.Option(None, "--deepspeed", help="DeepSpeed JSON to check."),
     accelerate: str | None = typer.Option(None, "--accelerate", help="accelerate config YAML to check."),
     batchnorm: bool = typer.Option(False, "--batchnorm", help="The model has BatchNorm (needs ≥ 2 samples per GPU)."),
@@ -230,21 +245,21 @@ def _device_line(info: Any) -> str:
 
 @command("find")
 def find_command(
-    model: str = typer.Option(..., "--model", help="Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn."),
+    model: ModelSpec,
     target: int | None = typer.Option(None, "--target", help="Global batch per optimizer step (default: the safe batch on every GPU)."),
     gpus: int | None = typer.Option(None, "--gpus", help="GPUs per node (default: the GPUs visible here; 1 on CPU)."),
-    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sample, the longest you train on."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (autocast)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam, sgd, sgd-nomomentum or adafactor."),
+    nodes: Nodes = 1,
+    model_parallel: ModelParallel = 1,
+    seq_len: SeqLen = None,
+    dtype: Dtype = "fp32",
+    optimizer: OptimizerName = "adamw",
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Probe with gradient checkpointing on."),
-    headroom: str = typer.Option("5%", "--headroom", help="Memory kept free for the safe batch: 5%, 0.05 or 2GiB."),
-    max_batch: int | None = typer.Option(None, "--max-batch", help="Never probe above this batch."),
-    min_micro: int | None = typer.Option(None, "--min-micro", help="Smallest per-GPU batch (default 2 with BatchNorm, else 1)."),
-    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
-    device: str | None = typer.Option(None, "--device", help="cuda, cuda:N, or cpu (with --memory: simulated budget)."),
-    memory: str | None = typer.Option(None, "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB."),
+    headroom: Headroom = "5%",
+    max_batch: MaxBatch = None,
+    min_micro: MinMicro = None,
+    multiple_of: MultipleOf = None,
+    device: DeviceName = None,
+    memory: SimulatedMemory = None,
     input_shape: str | None = typer.Option(None, "--input-shape", help="Per-sample input shape for your own nn.Module, e.g. 3,224,224."),
     num_classes: int = typer.Option(10, "--num-classes", help="Classes for your own nn.Module's loss."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Let an hf: model run its own code."),
@@ -380,21 +395,21 @@ def models_command(as_json: bool = typer.Option(False, "--json", help="Print one
 
 @command("estimate")
 def estimate_command(
-    model: str = typer.Option(..., "--model", help="Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn."),
+    model: ModelSpec,
     gpu: str = typer.Option("a100-80gb", "--gpu", help="GPU to estimate for (see `autobatch gpus`); default a100-80gb."),
     gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Total memory of a GPU not in the catalogue, e.g. 40GiB."),
     target: int | None = typer.Option(None, "--target", help="Global batch per optimizer step: plan it with the estimated safe batch."),
     gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
-    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="Tensor × pipeline parallel degree."),
-    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sample, the longest you train on."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (autocast)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam, sgd, sgd-nomomentum or adafactor."),
+    nodes: Nodes = 1,
+    model_parallel: ModelParallel = 1,
+    multiple_of: MultipleOf = None,
+    seq_len: SeqLen = None,
+    dtype: Dtype = "fp32",
+    optimizer: OptimizerName = "adamw",
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Trace with gradient checkpointing on."),
-    headroom: str = typer.Option("5%", "--headroom", help="Memory kept free for the safe batch: 5%, 0.05 or 2GiB."),
-    max_batch: int | None = typer.Option(None, "--max-batch", help="Never estimate above this batch."),
-    min_micro: int | None = typer.Option(None, "--min-micro", help="Smallest per-GPU batch (default 2 with BatchNorm, else 1)."),
+    headroom: Headroom = "5%",
+    max_batch: MaxBatch = None,
+    min_micro: MinMicro = None,
     fragmentation: float = typer.Option(1.05, "--fragmentation", help="Allocator reserved/allocated ratio assumed."),
     workspace: str = typer.Option("64MiB", "--workspace", help="cuBLAS/cuDNN workspaces assumed."),
     deepspeed: str | None = typer.Option(None, "--deepspeed", help="With --target: write the batch keys into this DeepSpeed JSON."),
@@ -468,22 +483,22 @@ def gpus_command(as_json: bool = typer.Option(False, "--json", help="Print one J
 
 @command("tune")
 def tune_command(
-    model: str = typer.Option(..., "--model", help="Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn."),
+    model: ModelSpec,
     target: int = typer.Option(..., "--target", help="Global batch per optimizer step."),
     trials: int = typer.Option(20, "--trials", help="Optuna trials in this run (a resumed study adds to its own)."),
     gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
-    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
+    nodes: Nodes = 1,
     checkpointing: str = typer.Option("auto", "--checkpointing", help="auto (both when the model supports it), both, on or off."),
     timed_steps: int = typer.Option(3, "--timed-steps", help="Timed micro steps per plan, after one warm-up step."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sample, the longest you train on."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (autocast)."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam, sgd, sgd-nomomentum or adafactor."),
-    headroom: str = typer.Option("5%", "--headroom", help="Memory kept free for the safe batch: 5%, 0.05 or 2GiB."),
-    max_batch: int | None = typer.Option(None, "--max-batch", help="Never probe above this micro batch."),
-    min_micro: int | None = typer.Option(None, "--min-micro", help="Smallest per-GPU batch (default 2 with BatchNorm, else 1)."),
-    multiple_of: int | None = typer.Option(None, "--multiple-of", help="Per-GPU batch must be a multiple of this."),
-    device: str | None = typer.Option(None, "--device", help="cuda, cuda:N, or cpu (with --memory: simulated budget)."),
-    memory: str | None = typer.Option(None, "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB."),
+    seq_len: SeqLen = None,
+    dtype: Dtype = "fp32",
+    optimizer: OptimizerName = "adamw",
+    headroom: Headroom = "5%",
+    max_batch: MaxBatch = None,
+    min_micro: MinMicro = None,
+    multiple_of: MultipleOf = None,
+    device: DeviceName = None,
+    memory: SimulatedMemory = None,
     seed: int = typer.Option(0, "--seed", help="Seed of the TPE sampler."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again instead of reading the cache (the study is kept)."),
     plot: str | None = typer.Option(None, "--plot", help="Write a PNG of memory and throughput here (needs the plot extra)."),

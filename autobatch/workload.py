@@ -49,7 +49,15 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets = batch
         return torch.nn.functional.cross_entropy(model(inputs), targets)
     out = model(batch)
-    return out.float().mean() if isinstance(out, torch.Tensor) else default_loss(model, {"input": batch})
+    if isinstance(out, torch.Tensor):
+        return out.float().mean()
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None:
+        raise AutobatchError(
+            f"default_loss needs model(batch) to return a tensor or an object with a loss, but it returned "
+            f"{type(out).__name__}; pass loss_fn=…"
+        )
+    return loss
 
 
 def make_optimizer(optimizer: str | OptimizerFactory, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

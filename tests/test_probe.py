@@ -164,3 +164,18 @@ def test_autocast_dtype_is_used():
     work = Workload(mlp, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), loss_fn=loss, dtype="bf16")
     probe(work, SimulatedBackend("4MiB"), max_batch=4)
     assert set(seen) == {torch.bfloat16}
+
+
+def test_default_loss_shapes():
+    from autobatch.workload import default_loss
+
+    linear = torch.nn.Linear(4, 3)
+    assert default_loss(linear, torch.randn(2, 4)).shape == ()
+    assert default_loss(linear, (torch.randn(2, 4), torch.tensor([0, 2]))).shape == ()
+
+    class Returns(torch.nn.Module):
+        def forward(self, x):
+            return {"logits": x}
+
+    with pytest.raises(AutobatchError, match="default_loss needs model\\(batch\\) to return a tensor or an object with a loss"):
+        default_loss(Returns(), torch.randn(2, 4))

@@ -139,20 +139,14 @@ def solve_command(
     """Micro batch × gradient accumulation × GPUs = --target exactly; write the configs."""
     import json
 
-    from .configs import write_accelerate_config, write_deepspeed_config
+    from .configs import write_plan_configs
     from .solver import solve
 
     plan = solve(
         target, gpus, nodes, max_micro, min_micro=min_micro, multiple_of=multiple_of,
         model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch,
     )
-    written: dict[str, str] = {}
-    if deepspeed is not None:
-        write_deepspeed_config(plan, deepspeed, keep_auto=keep_auto, for_accelerate=accelerate is not None)
-        written["deepspeed_config"] = str(deepspeed)
-    if accelerate is not None:
-        write_accelerate_config(plan, accelerate, deepspeed)
-        written["accelerate_config"] = str(accelerate)
+    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, keep_auto=keep_auto)
     if as_json:
         typer.echo(json.dumps({**plan.to_dict(), **written}, indent=2, ensure_ascii=False))
         return
@@ -279,7 +273,7 @@ def find_command(
     import torch
     from rich.console import Console
 
-    from .configs import write_accelerate_config, write_deepspeed_config
+    from .configs import write_plan_configs
     from .find import find_plan
     from .models import load_model
     from .probe import make_backend
@@ -336,17 +330,7 @@ def find_command(
                                 min_micro=min_micro, headroom=_headroom(headroom), on_trial=progress,
                                 use_cache=not no_cache, **planning)
     plan = finding.plan
-    written: dict[str, str] = {}
-    if deepspeed is not None:
-        write_deepspeed_config(plan, deepspeed, for_accelerate=accelerate is not None)
-        written["deepspeed_config"] = deepspeed
-    if accelerate is not None:
-        write_accelerate_config(plan, accelerate, deepspeed)
-        written["accelerate_config"] = accelerate
-    if hf is not None:
-        with open(hf, "w") as handle:
-            json.dump(plan.to_hf(deepspeed), handle, indent=2)
-        written["hf_args"] = hf
+    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf)
     if as_json:
         typer.echo(json.dumps({**finding.to_dict(), **written}, indent=2))
         return
@@ -419,7 +403,7 @@ def estimate_command(
     """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used."""
     import json
 
-    from .configs import write_accelerate_config, write_deepspeed_config
+    from .configs import write_plan_configs
     from .estimate import estimate, load_fake_model
     from .gpus import resolve_gpu
     from .overheads import Overheads
@@ -439,12 +423,7 @@ def estimate_command(
     if target is not None:
         plan = solve(target, gpus, nodes, result.safe_batch, min_micro=result.min_batch, multiple_of=multiple_of,
                      model_parallel=model_parallel)
-        if deepspeed is not None:
-            write_deepspeed_config(plan, deepspeed, for_accelerate=accelerate is not None)
-            written["deepspeed_config"] = deepspeed
-        if accelerate is not None:
-            write_accelerate_config(plan, accelerate, deepspeed)
-            written["accelerate_config"] = accelerate
+        written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate)
     if as_json:
         # The same top-level keys as `find --json`, so scripts read either the same way.
         data = {"max_micro": result.max_batch, "safe_micro": result.safe_batch,

@@ -16,6 +16,7 @@ from .deepspeed import (
     read_deepspeed_config,
     write_deepspeed_config,
 )
+from .bundle import write_plan_configs
 from .files import read_config, write_config
 from .hf import hf_flags, hf_training_args
 from .launch import accelerate_command, torchrun_command
@@ -38,4 +39,5 @@ __all__ = [
     "write_accelerate_config",
     "write_config",
     "write_deepspeed_config",
+    "write_plan_configs",
 ]

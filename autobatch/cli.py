@@ -311,14 +311,15 @@ def find_command(
             return  # only rank 0 prints and writes files
         if nodes == 1 and env.world_size > env.local_world_size:
             planning["nodes"] = env.world_size // env.local_world_size
-        plan = plan_from_probe(result.to_probe_result(), gpus_per_node=gpus or env.local_world_size, **planning)
-        finding = Finding(result.to_probe_result(), plan, ranks_report=str(result))
-    elif device is None and memory is None and local_gpu_count() > 1:
+        agreed = result.to_probe_result()
+        plan = plan_from_probe(agreed, gpus_per_node=gpus or env.local_world_size, **planning)
+        finding = Finding(agreed, plan, ranks_report=str(result))
+    elif device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
         # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
-        console.print(f"probing {local_gpu_count()} GPUs, one worker each…", highlight=False)
-        result, report = spawn_local(probe_worker, (model, load, settings, options))
-        plan = plan_from_probe(result, gpus_per_node=gpus or local_gpu_count(), **planning)
-        finding = Finding(result, plan, ranks_report=report)
+        console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)
+        agreed, report = spawn_local(probe_worker, (model, load, settings, options))
+        plan = plan_from_probe(agreed, gpus_per_node=gpus or gpu_count, **planning)
+        finding = Finding(agreed, plan, ranks_report=report)
     else:
         backend = make_backend(device or ("cpu" if memory is not None else None), memory)
         workload = load_model(model, **load).to_workload(**settings)

@@ -7,29 +7,52 @@
 
 from __future__ import annotations
 
-from .errors import AutobatchError, ConfigError, MinimumBatchError, MissingDependencyError, NoBatchFitsError
-from .oom import is_oom_error
-from .units import format_bytes, parse_bytes
-from .backends import CudaBackend, DeviceInfo, MemoryBackend, SimulatedBackend
-from .memtrack import MemoryTracker
-from .workload import Workload, default_loss
-from .trial import Trial, run_trial
-from .search import SearchOutcome, search_max
-from .probe import ProbeResult, make_backend, probe
-from .plan import LRAdvice, Plan
-from .solver import NoExactPlanError, exact_plans, solve
-from .check import CheckResult, Problem, check_setup
+from .checking.accumulation import (
+    LossNormaliser,
+    count_loss_samples,
+    count_loss_tokens,
+    token_cross_entropy,
+)
+from .checking.problems import CheckResult, Problem
+from .checking.setup import check_setup
+from .checking.verify_ga import GAVerification, verify_ga
+from .configs import (
+    accelerate_command,
+    accelerate_config,
+    deepspeed_config,
+    hf_flags,
+    hf_training_args,
+    lightning_settings,
+    torchrun_command,
+)
+from .distributed.launch import is_launched, process_group, rank_env, spawn_local
+from .distributed.lockstep import probe_distributed
+from .distributed.result import DistributedProbeResult
+from .errors import (
+    AutobatchError,
+    ConfigError,
+    MinimumBatchError,
+    MissingDependencyError,
+    NoBatchFitsError,
+)
+from .estimating.estimate import Estimate, estimate
+from .estimating.gpus import GPUS, GpuSpec, lookup_gpu
+from .estimating.overheads import Overheads
 from .models import load_model
-from .find import Finding, find, find_plan
-from .accumulation import LossNormaliser, count_loss_samples, count_loss_tokens, token_cross_entropy
-from .verify_ga import GAVerification, verify_ga
-from .distributed import is_launched, process_group, rank_env, spawn_local
-from .lockstep import DistributedProbeResult, probe_distributed
-from .gpus import GPUS, GpuSpec, lookup_gpu
-from .overheads import Overheads
-from .estimate import Estimate, estimate
-from .cache import cached_probe
-from .tune import TuneResult, tune
+from .pipeline import Finding, find, find_plan
+from .planning.plan import LRAdvice, Plan
+from .planning.solver import NoExactPlanError, exact_plans, solve
+from .probing.backends import CudaBackend, DeviceInfo, MemoryBackend, SimulatedBackend
+from .probing.memtrack import MemoryTracker
+from .probing.oom import is_oom_error
+from .probing.probe import make_backend, probe
+from .probing.result import BatchResult, ProbeResult
+from .probing.search import SearchOutcome, search_max
+from .probing.trial import Trial, run_trial
+from .probing.workload import Workload, default_loss
+from .tuning.cache import cached_probe
+from .tuning.tune import TuneResult, tune
+from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
@@ -55,6 +78,7 @@ __all__ = [
     "run_trial",
     "SearchOutcome",
     "search_max",
+    "BatchResult",
     "ProbeResult",
     "make_backend",
     "probe",
@@ -66,6 +90,14 @@ __all__ = [
     "CheckResult",
     "Problem",
     "check_setup",
+    # writing configs: each writer takes a Plan
+    "deepspeed_config",
+    "accelerate_config",
+    "hf_training_args",
+    "hf_flags",
+    "lightning_settings",
+    "torchrun_command",
+    "accelerate_command",
     # end to end
     "load_model",
     "Finding",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError, MissingDependencyError
-from .workload import Workload, default_loss
+from .probing.workload import Workload, default_loss
 
 __all__ = ["ModelSource", "BUILTIN_MODELS", "load_model", "list_models", "count_parameters"]
 

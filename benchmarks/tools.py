@@ -25,7 +25,7 @@ import torch
 
 from autobatch import SimulatedBackend, Workload, probe
 from autobatch.modelinfo import min_batch_for
-from autobatch.trial import run_trial
+from autobatch.probing.trial import run_trial
 
 __all__ = [
     "ToolRun", "Truth", "TOOLS", "ACCELERATE_START", "run_autobatch", "run_lightning", "run_accelerate", "true_max",
@@ -172,7 +172,7 @@ def run_lightning(workload: Workload, budget: str, mode: str) -> ToolRun:
             return counter.loss(self.net, workload.make_batch(batch))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            from autobatch.workload import make_optimizer
+            from autobatch.probing.workload import make_optimizer
 
             return make_optimizer(workload.optimizer, self.net.parameters())
 

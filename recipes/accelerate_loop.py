@@ -10,7 +10,7 @@ micro batch × gradient accumulation × processes = --target; the DataLoader yie
 ``plan.micro_batch`` samples and ``Accelerator(gradient_accumulation_steps=plan.grad_accum)``
 steps the optimizer once per ``plan.grad_accum`` of them. Every micro batch here has the same
 number of samples, so the mean loss that ``accelerator.backward`` divides by the accumulation
-steps is the big-batch mean; for padded tokens use ``autobatch.accumulation.count_loss_tokens``
+steps is the big-batch mean; for padded tokens use ``autobatch.checking.accumulation.count_loss_tokens``
 (see recipes/plain_loop_ga.py).
 """
 

@@ -7,7 +7,7 @@ GPU of the job is alike. With --max-micro N the probe is skipped and N is the mi
 
 What it shows: the probe finds the largest micro batch one GPU trains (8 for tiny-gpt2 in 4 MiB);
 ``autobatch.find_plan`` solves micro batch × gradient accumulation × 16 GPUs = 224 (7 × 2 × 16,
-field report 5); ``plan.to_deepspeed(template)`` writes the three batch keys over the template's
+field report 5); ``autobatch.deepspeed_config(plan, template)`` writes the three batch keys over the template's
 ``"auto"`` and keeps every other key (ZeRO stage 2, bf16, optimizer); then DeepSpeed's own config
 parser, told the data-parallel world size, accepts the file: its start-up assertion
 ``train_batch_size == micro × accumulation × world_size`` holds before any GPU is booked.
@@ -73,7 +73,7 @@ def main() -> None:
     print(plan.describe())
 
     template = json.loads(Path(args.template).read_text())
-    config = plan.to_deepspeed(template)  # "auto" becomes the plan's numbers; every other key is kept
+    config = autobatch.deepspeed_config(plan, template)  # "auto" becomes the plan's numbers; every other key is kept
     Path(args.out).write_text(json.dumps(config, indent=2) + "\n")
     print(f"wrote {args.out}: " + ", ".join(f"{k}={config[k]}" for k in
           ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")))

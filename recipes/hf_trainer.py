@@ -6,7 +6,7 @@ On a GPU, drop --device and --memory: the probe measures the real card.
 
 What it shows: ``autobatch.find_plan`` probes the largest micro batch that trains (real steps,
 real memory), solves micro batch × gradient accumulation × GPUs = --target, and
-``TrainingArguments(**plan.to_hf(), ...)`` takes exactly those numbers, so the Trainer's global
+``TrainingArguments(**autobatch.hf_training_args(plan), ...)`` takes exactly those numbers, so the Trainer's global
 batch is the planned one. The sequences are right-padded to random lengths; the loss is the
 summed token loss over the tokens of the *whole* accumulated batch (``compute_loss_func`` with
 autobatch's ``LossNormaliser``), so accumulation trains like the big batch (field report 2).
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import autobatch
-from autobatch.accumulation import LossNormaliser, token_cross_entropy
+from autobatch.checking.accumulation import LossNormaliser, token_cross_entropy
 
 
 class Rows(torch.utils.data.Dataset):
@@ -82,7 +82,7 @@ def main() -> None:
     model.loss_type = "ForCausalLM"
     data = Rows(padded(source.make_batch(plan.global_batch * args.steps)))
     training_args = transformers.TrainingArguments(
-        **plan.to_hf(),
+        **autobatch.hf_training_args(plan),
         output_dir=args.output_dir,
         max_steps=args.steps,
         learning_rate=1e-3,

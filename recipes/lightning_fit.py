@@ -6,7 +6,7 @@ On GPUs, drop --device and --memory: the probe measures the real card and the pl
 GPUs of this node.
 
 What it shows: ``autobatch.find_plan`` probes the largest micro batch that trains and solves
-micro batch × gradient accumulation × devices × nodes = --target; ``plan.to_lightning()`` gives
+micro batch × gradient accumulation × devices × nodes = --target; ``autobatch.lightning_settings(plan)`` gives
 the ``Trainer`` arguments (``accumulate_grad_batches``, ``devices``, ``num_nodes``) and the
 ``DataLoader`` batch size, so Lightning's global batch is the planned one.
 """
@@ -82,7 +82,7 @@ def main() -> None:
                 print(f"step {trainer.global_step}  loss {self.step_loss:.4f}")
                 self.step_loss = 0.0
 
-    settings = plan.to_lightning()
+    settings = autobatch.lightning_settings(plan)
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(Rows(source.make_batch(plan.global_batch * args.steps)), shuffle=True,
                                          **settings["dataloader"])

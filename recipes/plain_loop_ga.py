@@ -21,8 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from autobatch.accumulation import count_loss_tokens, token_cross_entropy
-from autobatch.verify_ga import verify_ga
+from autobatch.checking.accumulation import count_loss_tokens, token_cross_entropy
+from autobatch.checking.verify_ga import verify_ga
 
 VOCAB = 64
 

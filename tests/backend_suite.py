@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autobatch import DeviceInfo, MemoryBackend, is_oom_error
-from autobatch.trial import run_trial
+from autobatch.probing.trial import run_trial
 from tests.tiny import mlp, mlp_workload
 
 

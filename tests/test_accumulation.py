@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autobatch.accumulation import LossNormaliser, count_loss_samples, count_loss_tokens, token_cross_entropy
+from autobatch.checking.accumulation import LossNormaliser, count_loss_samples, count_loss_tokens, token_cross_entropy
 from autobatch.errors import AutobatchError
-from autobatch.verify_ga import padded_lm_batch, split_batch
+from autobatch.checking.ga_batches import padded_lm_batch, split_batch
 
 VOCAB, SEQ = 29, 12
 
@@ -322,4 +322,4 @@ def test_docstring_examples_run() -> None:
     import doctest
     import importlib
 
-    assert doctest.testmod(importlib.import_module("autobatch.accumulation")).failed == 0
+    assert doctest.testmod(importlib.import_module("autobatch.checking.accumulation")).failed == 0

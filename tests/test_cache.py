@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import autobatch.fingerprint as fingerprint_module
+import autobatch.tuning.fingerprint as fingerprint_module
 from autobatch import SimulatedBackend, Workload
-from autobatch.cache import (
+from autobatch.tuning.cache import (
     CacheWarning, cache_dir, cached_probe, clear, list_entries, load, probe_result_from_dict,
 )
-from autobatch.fingerprint import Fingerprint, fingerprint
+from autobatch.tuning.fingerprint import Fingerprint, fingerprint
 
 BUDGET = "64KiB"
 
@@ -213,19 +213,20 @@ _WRITER = textwrap.dedent("""
     import sys, warnings
     from pathlib import Path
     warnings.simplefilter("error")   # a torn or unreadable file would raise here
-    from autobatch.backends import DeviceInfo
-    from autobatch.cache import load, store
-    from autobatch.fingerprint import Fingerprint
-    from autobatch.probe import ProbeResult
-    from autobatch.trial import Trial
+    from autobatch.probing.backends import DeviceInfo
+    from autobatch.tuning.cache import load, store
+    from autobatch.tuning.fingerprint import Fingerprint
+    from autobatch.probing.probe import ProbeResult
+    from autobatch.probing.trial import Trial
 
     root, who = Path(sys.argv[1]), int(sys.argv[2])
     fp = Fingerprint(fields={"k": 1}, digest="ab" * 32)
     device = DeviceInfo("simulated", "cpu", None, 1 << 20, 1 << 20, 0, 1 << 20, host="h")
     for i in range(80):
         trials = tuple(Trial(b, True, b * 100, b * 100) for b in range(1, 2 + (i % 40)))
-        result = ProbeResult(who * 1000 + i, i, "memory", 1, trials, device, 1 << 20, 0, 1.0, 2.0, None, False,
-                             workload="w" * (i % 300))
+        result = ProbeResult(max_batch=who * 1000 + i, safe_batch=i, limited_by="memory", min_batch=1, trials=trials,
+                             device=device, capacity_bytes=1 << 20, headroom_bytes=0, bytes_per_sample=1.0,
+                             fixed_bytes=2.0, safe_peak_bytes=None, safe_peak_measured=False, workload="w" * (i % 300))
         store(fp, result, root=root)
         got = load(fp, root=root)
         assert got is not None and got.max_batch // 1000 in (1, 2), got

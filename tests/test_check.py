@@ -9,10 +9,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autobatch.check import CheckResult, Problem, check_setup
+from autobatch.checking.problems import CheckResult, Problem
+from autobatch.checking.setup import check_setup
+from autobatch.configs import accelerate_config, deepspeed_config
 from autobatch.errors import ConfigError
-from autobatch.plan import Plan
-from autobatch.solver import solve
+from autobatch.planning.plan import Plan
+from autobatch.planning.solver import solve
 from tests.deepspeed_parse import deepspeed_parse
 from tests.tiny import cnn, mlp
 
@@ -252,8 +254,8 @@ def test_accelerate_refusals_match_accelerate_itself(tmp_path, monkeypatch):
         pytest.skip("this accelerate version has no _validate_launch_command")
     plan = solve(224, 16, 1, max_micro=9)
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps(plan.to_deepspeed()))
-    acc = write_yaml(tmp_path / "acc.yaml", {**plan.to_accelerate(ds), "mixed_precision": "bf16"})
+    ds.write_text(json.dumps(deepspeed_config(plan)))
+    acc = write_yaml(tmp_path / "acc.yaml", {**accelerate_config(plan, ds), "mixed_precision": "bf16"})
 
     assert [p.code for p in check_setup(accelerate=acc).problems] == ["accelerate-refuses"]
     args, defaults, mp_from_config = launch._validate_launch_command(

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from autobatch import SimulatedBackend, probe
 from autobatch.cli import app
+from autobatch.configs import deepspeed_config
 from autobatch.models import load_model
 
 runner = CliRunner()
@@ -146,7 +147,7 @@ def test_python_api_in_three_lines_leaves_the_model_unchanged():
     plan = autobatch.find(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), target=96,
                           device="cpu", memory="64KiB", headroom=0)
     assert plan.micro_batch * plan.grad_accum == 96
-    assert plan.to_deepspeed()["train_batch_size"] == 96
+    assert deepspeed_config(plan)["train_batch_size"] == 96
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

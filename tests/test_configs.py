@@ -30,8 +30,8 @@ from autobatch.configs import (
     write_deepspeed_config,
 )
 from autobatch.configs.files import ConfigFileError
-from autobatch.plan import Plan
-from autobatch.solver import solve
+from autobatch.planning.plan import Plan
+from autobatch.planning.solver import solve
 from tests.deepspeed_parse import deepspeed_parse
 
 PLANS = [
@@ -87,7 +87,7 @@ def test_write_deepspeed_config_updates_a_file_in_place_and_leaves_a_template_al
     out = tmp_path / "sub" / "out.json"
     write_deepspeed_config(plan, out, base=template)
     assert json.loads(template.read_text()) == {"bf16": {"enabled": True}}
-    assert json.loads(out.read_text()) == {"bf16": {"enabled": True}, **plan.to_deepspeed({})}
+    assert json.loads(out.read_text()) == {"bf16": {"enabled": True}, **deepspeed_config(plan, {})}
     # a new file gets DeepSpeed's default ZeRO section, which HF and accelerate insist on
     fresh = tmp_path / "fresh.json"
     write_deepspeed_config(plan, fresh)
@@ -245,7 +245,7 @@ def test_accelerator_reads_the_accumulation_from_the_launch_environment():
 @pytest.mark.parametrize("plan", PLANS)
 def test_training_arguments_accept_the_values_and_the_flags(plan, tmp_path):
     transformers = pytest.importorskip("transformers")
-    args = transformers.TrainingArguments(**plan.to_hf(), output_dir=str(tmp_path))
+    args = transformers.TrainingArguments(**hf_training_args(plan), output_dir=str(tmp_path))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (plan.micro_batch, plan.grad_accum)
     parser = transformers.HfArgumentParser(transformers.TrainingArguments)
     (parsed,) = parser.parse_args_into_dataclasses(args=[*hf_flags(plan), "--output_dir", str(tmp_path)])
@@ -261,11 +261,11 @@ def test_training_arguments_with_the_deepspeed_file_find_no_mismatch(tmp_path):
     plan = solve(14, 1, 1, max_micro=7)
     good, bad = tmp_path / "ds.json", tmp_path / "bad.json"
     write_deepspeed_config(plan, good)
-    bad.write_text(json.dumps({**plan.to_deepspeed(), "train_micro_batch_size_per_gpu": 2}))
+    bad.write_text(json.dumps({**deepspeed_config(plan), "train_micro_batch_size_per_gpu": 2}))
     try:
-        args = transformers.TrainingArguments(**plan.to_hf(good), output_dir=str(tmp_path))
+        args = transformers.TrainingArguments(**hf_training_args(plan, good), output_dir=str(tmp_path))
         assert args.hf_deepspeed_config.mismatches == []
-        args = transformers.TrainingArguments(**plan.to_hf(bad), output_dir=str(tmp_path))
+        args = transformers.TrainingArguments(**hf_training_args(plan, bad), output_dir=str(tmp_path))
         assert any("train_micro_batch_size_per_gpu=2" in m for m in args.hf_deepspeed_config.mismatches)
     finally:
         unset_hf_deepspeed_config()

@@ -8,14 +8,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from autobatch.backends import SimulatedBackend
+from autobatch.probing.backends import SimulatedBackend
 from autobatch.cli import app
 from autobatch.errors import AutobatchError, NoBatchFitsError
-from autobatch.estimate import estimate, fake_model, trace_trial
-from autobatch.overheads import Overheads
-from autobatch.probe import probe
-from autobatch.trial import run_trial
-from autobatch.workload import Workload
+from autobatch.estimating.estimate import estimate, fake_model, trace_trial
+from autobatch.estimating.overheads import Overheads
+from autobatch.probing.probe import probe
+from autobatch.probing.trial import run_trial
+from autobatch.probing.workload import Workload
 from tests.tiny import TinyLM, cnn_workload, lm_workload, mlp, mlp_workload
 
 class _Attention(torch.nn.Module):

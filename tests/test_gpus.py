@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autobatch.errors import AutobatchError
-from autobatch.gpus import DEFAULT_GPU, GPUS, custom_gpu, lookup_gpu, resolve_gpu
+from autobatch.estimating.gpus import DEFAULT_GPU, GPUS, custom_gpu, lookup_gpu, resolve_gpu
 
 REQUIRED = ["v100-16gb", "v100-32gb", "t4", "a10g", "l4", "rtx-3090", "rtx-4090", "a100-40gb", "a100-80gb",
             "h100-80gb", "h200", "mi250", "mi300x"]

@@ -9,9 +9,18 @@ import json
 
 import pytest
 
+from autobatch.configs import (
+    accelerate_command,
+    accelerate_config,
+    deepspeed_config,
+    hf_flags,
+    hf_training_args,
+    lightning_settings,
+    torchrun_command,
+)
 from autobatch.errors import AutobatchError
-from autobatch.plan import LRAdvice, Plan, require_positive_int
-from autobatch.solver import solve
+from autobatch.planning.plan import LRAdvice, Plan, require_positive_int
+from autobatch.planning.solver import solve
 
 
 @pytest.mark.parametrize(
@@ -89,24 +98,24 @@ def test_lr_advice_scales_linearly_and_by_square_root():
 
 def test_writer_methods_delegate_to_the_config_modules():
     plan = Plan(7, 2, gpus_per_node=16)
-    assert plan.to_deepspeed({"bf16": {"enabled": True}}) == {
+    assert deepspeed_config(plan, {"bf16": {"enabled": True}}) == {
         "bf16": {"enabled": True}, "train_batch_size": 224, "train_micro_batch_size_per_gpu": 7,
         "gradient_accumulation_steps": 2,
     }
-    assert plan.to_hf() == {"per_device_train_batch_size": 7, "gradient_accumulation_steps": 2}
-    assert plan.hf_flags() == ["--per_device_train_batch_size", "7", "--gradient_accumulation_steps", "2"]
-    assert plan.to_lightning()["trainer"] == {"accumulate_grad_batches": 2, "devices": 16, "num_nodes": 1}
-    assert plan.to_accelerate()["num_processes"] == 16
-    assert plan.torchrun_command("train.py") == "torchrun --standalone --nproc_per_node 16 train.py"
-    assert plan.accelerate_command("train.py").startswith("ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2 accelerate launch")
+    assert hf_training_args(plan) == {"per_device_train_batch_size": 7, "gradient_accumulation_steps": 2}
+    assert hf_flags(plan) == ["--per_device_train_batch_size", "7", "--gradient_accumulation_steps", "2"]
+    assert lightning_settings(plan)["trainer"] == {"accumulate_grad_batches": 2, "devices": 16, "num_nodes": 1}
+    assert accelerate_config(plan)["num_processes"] == 16
+    assert torchrun_command(plan, "train.py") == "torchrun --standalone --nproc_per_node 16 train.py"
+    assert accelerate_command(plan, "train.py").startswith("ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2 accelerate launch")
 
 
 @pytest.mark.parametrize(
     "module",
     [
-        "autobatch.plan",
-        "autobatch.solver",
-        "autobatch.check",
+        "autobatch.planning.plan",
+        "autobatch.planning.solver",
+        "autobatch.checking.setup",
         "autobatch.configs.deepspeed",
         "autobatch.configs.accelerate",
         "autobatch.configs.hf",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autobatch import MissingDependencyError, SimulatedBackend, Workload, probe
-from autobatch.tune import tune
+from autobatch.tuning.tune import tune
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -26,7 +26,7 @@ def _is_png(path: Path) -> bool:
 
 def test_probe_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from autobatch.plot import plot_probe
+    from autobatch.tuning.plot import plot_probe
 
     result = probe(_work(), SimulatedBackend("64KiB"))
     path = plot_probe(result, tmp_path / "sub" / "probe.png", chosen=result.safe_batch - 1)
@@ -35,14 +35,14 @@ def test_probe_plot_is_a_png(tmp_path):
 
 def test_tune_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from autobatch.plot import plot_tune
+    from autobatch.tuning.plot import plot_tune
 
     result = tune(_work(), 8, SimulatedBackend("64KiB"), n_trials=3, timed_steps=1, root=tmp_path, max_batch=8)
     assert _is_png(plot_tune(result, tmp_path / "tune.png"))
 
 
 def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
-    from autobatch.plot import plot_probe
+    from autobatch.tuning.plot import plot_probe
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     result = probe(_work(), SimulatedBackend("64KiB"))

@@ -14,7 +14,7 @@ from autobatch import (
     Workload,
     probe,
 )
-from autobatch.trial import run_trial
+from autobatch.probing.trial import run_trial
 from tests.tiny import TinyLM, cnn, cnn_workload, lm_workload, mlp, mlp_workload
 
 CASES = [
@@ -167,7 +167,7 @@ def test_autocast_dtype_is_used():
 
 
 def test_default_loss_shapes():
-    from autobatch.workload import default_loss
+    from autobatch.probing.workload import default_loss
 
     linear = torch.nn.Linear(4, 3)
     assert default_loss(linear, torch.randn(2, 4)).shape == ()

@@ -4,8 +4,8 @@ import statistics
 
 import pytest
 
-from autobatch.search import HARD_MAX_BATCH, chord_batch, fit_line, search_max
-from autobatch.trial import Trial
+from autobatch.probing.search import HARD_MAX_BATCH, chord_batch, fit_line, search_max
+from autobatch.probing.trial import Trial
 
 
 def oracle(memory, capacity, resident, optimizer_phase=None):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autobatch.errors import AutobatchError
-from autobatch.solver import NoExactPlanError, exact_plans, solve
+from autobatch.planning.solver import NoExactPlanError, exact_plans, solve
 
 # Small enough for brute force, large enough to hit every branch (prime targets, tiny targets, …).
 targets = st.integers(min_value=1, max_value=4096)

@@ -16,10 +16,11 @@ from torch.utils.checkpoint import checkpoint
 from typer.testing import CliRunner
 
 from autobatch import AutobatchError, SimulatedBackend, Workload
-from autobatch.cache import list_entries
+from autobatch.tuning.cache import list_entries
 from autobatch.cli import app
-from autobatch.solver import NoExactPlanError
-from autobatch.tune import SlowerThanBestPruner, candidate_plans, list_studies, time_plan, tune
+from autobatch.planning.solver import NoExactPlanError
+from autobatch.tuning.candidates import candidate_plans, time_plan
+from autobatch.tuning.tune import SlowerThanBestPruner, list_studies, tune
 
 
 class Checkpointable(torch.nn.Module):
@@ -127,7 +128,7 @@ def test_pruner_stops_clearly_slower_trials_only():
 def test_time_plan_gives_the_model_back_unchanged():
     model = Checkpointable()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    from autobatch.plan import Plan
+    from autobatch.planning.plan import Plan
 
     work = Workload(model, _work().make_batch, grad_checkpointing=True)
     seen = []

@@ -11,14 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from autobatch.errors import AutobatchError, ConfigError
-from autobatch.verify_ga import (
-    GAVerification,
-    lm_token_loss,
-    padded_lm_batch,
-    split_batch,
-    verify_ga,
-    verify_model_source,
-)
+from autobatch.checking.ga_batches import lm_token_loss, padded_lm_batch, split_batch
+from autobatch.checking.ga_sources import verify_model_source
+from autobatch.checking.verify_ga import GAVerification, verify_ga
 
 VOCAB, SEQ = 97, 32
 
@@ -307,5 +302,5 @@ def test_docstring_examples_run() -> None:
     import importlib
 
     # The module, not the function autobatch/__init__.py re-exports under the same name.
-    module = importlib.import_module("autobatch.verify_ga")
+    module = importlib.import_module("autobatch.checking.verify_ga")
     assert doctest.testmod(module).failed == 0

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autobatch.accumulation import count_loss_tokens, token_cross_entropy
-from autobatch.verify_ga import padded_lm_batch, split_batch
+from autobatch.checking.accumulation import count_loss_tokens, token_cross_entropy
+from autobatch.checking.ga_batches import padded_lm_batch, split_batch
 
 WORLD, GA, MICRO, VOCAB, SEQ = 2, 2, 2, 29, 12  # 2 micro * 2 GA * 2 ranks = 8 samples
 TIMEOUT_S = 45

@@ -7,7 +7,12 @@ methods (``plan.to_deepspeed()`` …) delegate here.
 
 from __future__ import annotations
 
-from .accelerate import accelerate_config, read_accelerate_config, write_accelerate_config
+from .accelerate import (
+    accelerate_config,
+    read_accelerate_config,
+    write_accelerate_config,
+)
+from .bundle import write_plan_configs
 from .deepspeed import (
     BATCH_KEYS,
     DerivedBatch,
@@ -16,7 +21,6 @@ from .deepspeed import (
     read_deepspeed_config,
     write_deepspeed_config,
 )
-from .bundle import write_plan_configs
 from .files import read_config, write_config
 from .hf import hf_flags, hf_training_args
 from .launch import accelerate_command, torchrun_command

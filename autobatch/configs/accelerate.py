@@ -23,7 +23,7 @@ from .files import read_config, write_config
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
 __all__ = [
     "GRAD_ACCUM_ENV",

@@ -11,7 +11,7 @@ from .files import write_config
 from .hf import hf_training_args
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
 __all__ = ["write_plan_configs"]
 

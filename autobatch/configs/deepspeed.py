@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .files import read_config, write_config
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
 __all__ = [
     "TRAIN_BATCH_SIZE",

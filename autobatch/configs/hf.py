@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
 __all__ = ["hf_training_args", "hf_flags"]
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .accelerate import GRAD_ACCUM_ENV
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..planning.plan import Plan
 
 __all__ = ["torchrun_command", "accelerate_command"]
 

@@ -1,0 +1,86 @@
+"""The accumulation check for a built-in or named model: the batch and loss each kind of model needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import AutobatchError
+from .ga_batches import lm_token_loss, padded_lm_batch
+from .verify_ga import GAVerification, Mode, _validate, verify_ga
+
+__all__ = ["verify_model_source", "verify_model"]
+
+
+def verify_model_source(
+    source: Any,
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int = 1,
+    mode: Mode = "naive",
+    tolerance: float = 1e-5,
+    seed: int = 0,
+) -> GAVerification:
+    """:func:`verify_ga` for a built-in model (``autobatch.models.load_model(...)``).
+
+    Language models (``task`` ``"causal-lm"``/``"masked-lm"``) get a variable-length padded
+    batch from :func:`padded_lm_batch` and a token-level loss, so that a mean of means shows;
+    other models use their own ``make_batch`` and ``loss_fn``.
+
+    Args:
+        source: An object with ``.model``, ``.task``, and ``.vocab_size``/``.seq_len`` (LMs) or
+            ``.make_batch(b)``/``.loss_fn(model, batch)`` (others).
+        micro_batch, grad_accum, world_size, mode, tolerance, seed: As for :func:`verify_ga`.
+    """
+    # Before building a batch of micro_batch * grad_accum * world_size samples from bad numbers.
+    _validate(micro_batch, grad_accum, world_size, tolerance, mode, has_loss=True)
+    global_batch = micro_batch * grad_accum * world_size
+    task = getattr(source, "task", None)
+    vocab, seq_len = getattr(source, "vocab_size", None), getattr(source, "seq_len", None)
+    if task in ("causal-lm", "masked-lm") and vocab and seq_len:
+        batch = padded_lm_batch(global_batch, seq_len, vocab, seed=seed)
+        return verify_ga(source.model, batch, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
+                         token_loss_fn=lm_token_loss(shift=task == "causal-lm"), mode=mode, tolerance=tolerance,
+                         seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        batch = source.make_batch(global_batch)
+    return verify_ga(source.model, batch, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
+                     loss_fn=source.loss_fn, mode=mode, tolerance=tolerance, seed=seed)
+
+
+def verify_model(
+    spec: str,
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int = 1,
+    seq_len: int | None = None,
+    mode: Mode = "naive",
+    tolerance: float = 1e-5,
+    seed: int = 0,
+) -> GAVerification:
+    """:func:`verify_model_source` for a built-in model name; what ``autobatch verify-ga --model`` runs.
+
+    Args:
+        spec: A name that ``autobatch.models.load_model`` knows (``tiny-gpt2``, ``tiny-mlp``, …).
+        seq_len: Sequence length for language models; ``None`` keeps the model's default.
+        micro_batch, grad_accum, world_size, mode, tolerance, seed: As for :func:`verify_ga`.
+
+    Example:
+        >>> verify_model("tiny-gpt2", micro_batch=1, grad_accum=8, mode="normalised").status  # doctest: +SKIP
+        'PASS'
+    """
+    try:  # lazily: the registry pulls in optional model code (transformers)
+        from ..models import load_model
+    except ModuleNotFoundError as exc:
+        if exc.name != "autobatch.models":
+            raise
+        raise AutobatchError("verify-ga --model needs autobatch.models, which this installation does not have") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the same random weights on every run with this seed
+        source = load_model(spec, **({} if seq_len is None else {"seq_len": seq_len}))
+    return verify_model_source(source, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
+                               mode=mode, tolerance=tolerance, seed=seed)

@@ -1,0 +1,223 @@
+"""Check a proposed setup before launch: every batch-size problem at once, each with its fix.
+
+A setup comes from numbers (target, micro batch, accumulation, GPUs per node, nodes) and/or
+files (a DeepSpeed JSON, an accelerate YAML). :func:`check_setup` reads them the way the
+libraries will, derives what they would derive, and collects every problem (it never stops at
+the first), so one run tells the user everything to fix:
+
+- per-device batch below 1 or fractional (field report 1: the ZeroDivisionError in metrics);
+- global batch ≠ micro × accumulation × world size (DeepSpeed's start-up assertion), including
+  what DeepSpeed derives by flooring when the file gives only some of the three keys;
+- the DeepSpeed file or accelerate config disagreeing with the numbers given (field report 3);
+- a BatchNorm model with one sample per GPU, or a global batch that does not split evenly
+  across GPUs (field report 4).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..configs.deepspeed import (
+    BATCH_KEYS,
+    ZERO_OPTIMIZATION,
+)
+
+if TYPE_CHECKING:
+    import torch
+from .problems import _AUTO, CheckResult, _Collector, _fix_for
+from .views import (
+    _accelerate_deepspeed,
+    _accelerate_topology,
+    _Batch,
+    _compare,
+    _deepspeed_values,
+    _deepspeed_view,
+    _fill_auto,
+    _flags_view,
+)
+
+__all__ = ["check_setup"]
+
+
+def check_setup(
+    *,
+    target: int | None = None,
+    micro_batch: int | None = None,
+    grad_accum: int | None = None,
+    gpus_per_node: int | None = None,
+    nodes: int | None = None,
+    model_parallel: int = 1,
+    deepspeed: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    accelerate: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    model: torch.nn.Module | None = None,
+    batchnorm: bool | None = None,
+) -> CheckResult:
+    """Find every batch-size problem in a proposed setup, before launch.
+
+    Args:
+        target: Global batch per optimizer step.
+        micro_batch: Per-GPU batch (``per_device_train_batch_size``).
+        grad_accum: Gradient accumulation steps.
+        gpus_per_node: GPUs on each node (not the total). Defaults to the accelerate config's
+            ``num_processes / num_machines``, else 1.
+        nodes: Number of nodes. Defaults to the accelerate config's ``num_machines``, else 1.
+        model_parallel: Tensor × pipeline parallel degree (the data-parallel world size is
+            ``gpus_per_node × nodes / model_parallel``).
+        deepspeed: DeepSpeed JSON path or mapping. Without it, the file named by the accelerate
+            config's ``deepspeed_config_file`` is checked.
+        accelerate: accelerate config YAML path or mapping.
+        model: The model; a BatchNorm layer requires at least 2 samples per GPU.
+        batchnorm: Say the model has BatchNorm without passing it.
+
+    Returns:
+        A :class:`CheckResult`; ``result.ok`` is False when any problem was found. Unreadable or
+        malformed files are problems in the result, not exceptions.
+
+    Example:
+        >>> result = check_setup(target=224, micro_batch=7, grad_accum=3, gpus_per_node=16)
+        >>> [p.code for p in result.problems]
+        ['batch-identity']
+    """
+    c = _Collector()
+    given = _Batch(
+        c.positive_int("target", target),
+        c.positive_int("micro_batch", micro_batch, fix="set micro_batch to at least 1 sample per GPU"),
+        c.positive_int("grad_accum", grad_accum),
+    )
+    flag_gpus = c.positive_int("gpus_per_node", gpus_per_node)
+    flag_nodes = c.positive_int("nodes", nodes)
+    mp = c.positive_int("model_parallel", model_parallel)
+
+    bn = bool(batchnorm)
+    if model is not None:
+        from ..modelinfo import (
+            has_batchnorm,  # torch is imported only when a model is checked
+        )
+
+        bn = bn or has_batchnorm(model)
+    min_micro = 2 if bn else 1
+
+    # --- topology: arguments first, then the accelerate config, then one GPU -------------------
+    acc_loaded = c.load(accelerate, "accelerate config")
+    acc_gpus = acc_nodes = None
+    if acc_loaded is not None:
+        acc_gpus, acc_nodes = _accelerate_topology(c, *acc_loaded)
+    gpus = flag_gpus or acc_gpus
+    node_count = flag_nodes or acc_nodes
+    if gpus is None and gpus_per_node is None:
+        c.note("no GPU count given: assumed 1 GPU per node")
+    gpus, node_count = gpus or 1, node_count or 1
+    if acc_loaded is not None:
+        label, acc = acc_loaded
+        for name, ours, theirs in (("GPUs per node", flag_gpus, acc_gpus), ("nodes", flag_nodes, acc_nodes)):
+            if ours is not None and theirs is not None and ours != theirs:
+                c.add(
+                    "accelerate-mismatch",
+                    f"{label} must agree with the arguments, but it gives {theirs} {name} "
+                    f"(num_processes={acc.get('num_processes')}, num_machines={acc.get('num_machines', 1)}) "
+                    f"and the arguments give {ours}",
+                    "set num_processes to the total GPU count and num_machines to the node count",
+                    **{name: theirs},
+                )
+
+    world = None
+    if mp is not None:
+        if (gpus * node_count) % mp:
+            c.add(
+                "model-parallel",
+                f"model_parallel must divide the GPU count, but {mp} does not divide {gpus * node_count} "
+                f"({gpus} per node × {node_count} node{'s' if node_count != 1 else ''})",
+                "use a tensor × pipeline degree that divides the number of GPUs",
+                model_parallel=mp, gpus=gpus * node_count,
+            )
+        else:
+            world = gpus * node_count // mp
+    # --- DeepSpeed file: given, or named by the accelerate config -------------------------------
+    ds_loaded = c.load(deepspeed, "DeepSpeed config")
+    if acc_loaded is not None:
+        acc_ds_file = (acc_loaded[1].get("deepspeed_config") or {}).get("deepspeed_config_file")
+        if acc_ds_file and deepspeed is None:
+            c.note(f"checked the DeepSpeed config {acc_ds_file} named in {acc_loaded[0]}")
+            ds_loaded = c.load(acc_ds_file, "DeepSpeed config")
+        elif acc_ds_file and not isinstance(deepspeed, Mapping) and os.path.realpath(acc_ds_file) != os.path.realpath(deepspeed):
+            c.add(
+                "accelerate-mismatch",
+                f"{acc_loaded[0]} must name the DeepSpeed file being used, but it names {acc_ds_file} "
+                f"and the DeepSpeed file given is {os.fspath(deepspeed)}",
+                f"set deepspeed_config_file in {acc_loaded[0]} to {os.fspath(deepspeed)}",
+            )
+        _accelerate_deepspeed(c, *acc_loaded, *(ds_loaded or (None, None)))
+
+    if world is None:
+        return CheckResult(tuple(c.problems), tuple(c.notes), *given.numbers(), None, gpus, node_count, mp)
+
+    topo = (gpus, node_count, mp)
+    slots = ("target", "micro", "accum")
+    values = None
+    if ds_loaded is not None:
+        ds_label, ds = ds_loaded
+        if ZERO_OPTIMIZATION not in ds and acc_loaded is None:
+            c.note(
+                f"{ds_label} has no {ZERO_OPTIMIZATION} section: plain deepspeed.initialize accepts that, "
+                f'HF Trainer and accelerate refuse it (add "{ZERO_OPTIMIZATION}": {{"stage": 0}})'
+            )
+        values = _deepspeed_values(c, ds_label, ds)
+    determined = sum(n is not None for n in given.numbers()) >= 2 and (given.target, given.micro) != (None, None)
+    if values is not None and not determined and (given.target is not None or given.micro is not None):
+        # When the arguments alone would need an assumption (accumulation 1), the DeepSpeed file
+        # fills the gap instead: `--target 512 --deepspeed ds.json` is checked with the file's
+        # micro batch and accumulation. Arguments that determine all three are compared instead.
+        numbers = list(given.numbers())
+        for n, key in enumerate(BATCH_KEYS):
+            if numbers[n] is None and isinstance(values[key], int):
+                numbers[n] = values[key]
+                c.note(f"took {key}={values[key]} from {ds_loaded[0]}")  # type: ignore[index]
+        given = _Batch(*numbers)
+
+    # Count problems before the flags view so the DeepSpeed view does not repeat its arithmetic.
+    before = len(c.problems)
+    flags = _flags_view(c, given, world, topo, min_micro)
+    flags_problem = given.numbers() if len(c.problems) > before else None
+
+    resolved = flags
+    micros = {flags.micro}  # every per-GPU batch some launcher would use, for the BatchNorm rule
+    if ds_loaded is not None and values is not None:
+        ds_label = ds_loaded[0]
+        explicit = {slot: v for slot, v in zip(slots, values.values()) if v != _AUTO}
+        _compare(c, "deepspeed-mismatch", ds_label, explicit, flags, dict(zip(slots, BATCH_KEYS)))  # type: ignore[arg-type]
+        if _fill_auto(c, ds_label, values, flags):
+            ds_batch = _deepspeed_view(c, ds_label, values, world, topo, min_micro, flags_problem)
+            if ds_batch is not None:
+                micros.add(ds_batch.micro)
+                if None in flags.numbers():
+                    resolved = ds_batch
+    if acc_loaded is not None:
+        section = acc_loaded[1].get("deepspeed_config") or {}
+        accum = section.get("gradient_accumulation_steps")
+        if accum is not None and accum != _AUTO:
+            accum = c.positive_int("gradient_accumulation_steps", accum, acc_loaded[0])
+            _compare(c, "accelerate-mismatch", acc_loaded[0], {"accum": accum}, resolved,
+                     {"accum": "deepspeed_config.gradient_accumulation_steps"})
+
+    if bn and 1 in micros:
+        c.add(
+            "batchnorm",
+            "a model with BatchNorm needs at least 2 samples per GPU, but the micro batch is 1"
+            + (f" in {ds_loaded[0]}" if ds_loaded is not None and flags.micro != 1 else "")
+            + "; training fails with 'Expected more than 1 value per channel when training'",
+            "use a micro batch of at least 2"
+            + (f": {_fix_for(resolved.target, *topo, 2)}" if resolved.target is not None else ""),
+            micro_batch=1,
+        )
+    if resolved.target is None and resolved.micro is None and ds_loaded is None and not c.problems:
+        c.add(
+            "missing-batch",
+            "a setup needs a global batch or a micro batch to check, but neither was given",
+            "pass target and/or micro_batch, or a DeepSpeed config",
+        )
+
+    return CheckResult(
+        tuple(c.problems), tuple(c.notes), *resolved.numbers(), world, gpus, node_count, mp
+    )

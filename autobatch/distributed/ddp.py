@@ -1,0 +1,62 @@
+"""Wrap a model for trials the way data-parallel training wraps it: DDP and its gradient buckets."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..probing.backends import MemoryBackend
+
+__all__ = ["ddp_for_trials"]
+
+
+def _quiet_buffer_kwargs() -> dict[str, bool]:
+    # Newer torch renamed the switch that keeps DDP's forward from broadcasting buffers.
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+
+
+@contextmanager
+def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend) -> Iterator[torch.nn.Module]:
+    """Yield ``model`` wrapped in ``DistributedDataParallel``, ready for :func:`~autobatch.probing.trial.run_trial`.
+
+    DDP allocates a gradient bucket per group of parameters (as large as the gradients
+    themselves) when it is constructed; training pays for them, so the probe must too. The
+    wrapper is built inside ``backend.track`` so the simulated backend counts the buckets (a real
+    GPU's allocator sees them anyway), and they stay counted for as long as the wrapper lives.
+
+    The trials run under ``no_sync`` and without the forward buffer broadcast: a step then
+    holds the same tensors (buckets, gradients, activations) but issues no collective. That is
+    deliberate: a rank that runs out of memory mid-step would otherwise leave the others waiting
+    in the gradient all-reduce forever. The ranks agree after each trial instead
+    (:func:`autobatch.distributed.lockstep.probe_distributed`). Construction itself communicates (DDP checks
+    parameter shapes and broadcasts rank 0's weights), so every rank must enter this together.
+
+    Args:
+        model: the (borrowed) model, already on ``backend.device``.
+        backend: the rank's memory backend.
+
+    Example:
+        >>> # inside an initialized process group, with ``lent`` from borrowed_model(...)
+        >>> # with ddp_for_trials(lent, backend) as wrapped:
+        >>> #     trial = run_trial(workload, wrapped, backend, 8)
+    """
+    device_ids = [backend.device.index] if backend.device.type == "cuda" else None
+    resident = [p for p in model.parameters()] + [b for b in model.buffers()]
+    with backend.track(resident):
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **_quiet_buffer_kwargs())
+    try:
+        with wrapped.no_sync():
+            yield wrapped
+    finally:
+        # The reducer owns the buckets and the autograd hooks on the user's parameters; dropping
+        # the wrapper frees the former and removes the latter. It sits in reference cycles, so
+        # collect it now, while its process group is alive: destroyed later, during interpreter
+        # exit, it can abort the process ("terminate called without an active exception").
+        del wrapped
+        gc.collect()

@@ -1,0 +1,280 @@
+"""Ranks and process groups: read what a launcher set, start the group, or start the workers ourselves.
+
+``torchrun`` and ``accelerate launch`` (which runs torchrun underneath for several processes)
+set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` in each worker's environment. :func:`rank_env` reads them, :func:`process_group`
+joins the group with a timeout, and :func:`spawn_local` plays the launcher on one machine
+(one worker per visible GPU) for users who have never met torchrun. The lockstep probe that runs
+inside the group is :func:`autobatch.distributed.lockstep.probe_distributed`.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AutobatchError, ConfigError
+from .result import RankFailedError
+
+__all__ = [
+    "RankEnv",
+    "rank_env",
+    "is_launched",
+    "is_main_process",
+    "process_group",
+    "spawn_local",
+    "exit_rank",
+    "DEFAULT_TIMEOUT_S",
+]
+
+# Every collective gives up after this long. Trials take seconds; setup (loading a model on every
+# rank) can take minutes, which is what the margin is for.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def is_launched(environ: dict[str, str] | None = None) -> bool:
+    """Whether a launcher (torchrun, accelerate launch) started this process as one rank of a job."""
+    env = os.environ if environ is None else environ
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def rank_env(environ: dict[str, str] | None = None) -> RankEnv:
+    """This process's rank, world size and local rank from the launcher's variables.
+
+    Without a launcher it is rank 0 of a world of 1. Every malformed variable is reported at once.
+
+    Example:
+        >>> rank_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"})
+        RankEnv(rank=3, world_size=4, local_rank=1, local_world_size=4, master_addr='n0', master_port=29500)
+    """
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+
+    def number(name: str, default: int | None) -> int | None:
+        raw = env.get(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            problems.append(f"{name} must be a whole number, but got {name}={raw!r}")
+            return default
+        if value < 0:
+            problems.append(f"{name} must not be negative, but got {name}={value}")
+        return value
+
+    world = number("WORLD_SIZE", 1)
+    rank = number("RANK", 0)
+    local_rank = number("LOCAL_RANK", rank)
+    local_world = number("LOCAL_WORLD_SIZE", world)
+    port = number("MASTER_PORT", None)
+    if world is not None and world < 1:
+        problems.append(f"WORLD_SIZE must be at least 1, but got WORLD_SIZE={world}")
+    elif rank is not None and world is not None and rank >= world:
+        problems.append(f"RANK must be below WORLD_SIZE ({world}), but got RANK={rank}; check the launcher's arguments")
+    if problems:
+        raise ConfigError(problems)
+    return RankEnv(rank or 0, world or 1, local_rank or 0, local_world or 1, env.get("MASTER_ADDR"), port)
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the initialized group, else of the launcher's environment: the one that prints and writes."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return rank_env().is_main
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@contextmanager
+def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[RankEnv]:
+    """Join the launcher's process group for the block (or use the one already joined).
+
+    A group this function joins it also leaves. Every collective in it fails after
+    ``timeout_s`` instead of waiting forever for a rank that died.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available.
+        timeout_s: seconds any collective may wait.
+
+    Example:
+        >>> with process_group("gloo") as env:  # doctest: +SKIP
+        ...     result = probe_distributed(work, SimulatedBackend("1GiB"))
+    """
+    env = rank_env()
+    if dist.is_initialized():
+        yield env
+        return
+    if not dist.is_available():
+        raise AutobatchError("torch.distributed is not available in this torch build; probe one device with autobatch.probe")
+    if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
+        raise AutobatchError(
+            f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set; start the job with torchrun "
+            "or accelerate launch, which set them"
+        )
+    if env.world_size == 1:  # a lone process still needs an address to rendezvous with itself
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = backend or _default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(
+        backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    try:
+        yield env
+    finally:
+        # DDP's reducer sits in reference cycles; collect it, and let every rank get here, before
+        # the group is torn down, or a rank can abort at exit with "terminate called without an
+        # active exception". A failed barrier (a rank already gone) must not hide the real error.
+        gc.collect()
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a launched rank after its work is done, printed, written and flushed.
+
+    Torch's C++ teardown at interpreter exit, after a clean ``destroy_process_group``, can abort
+    a finished process now and then ("terminate called without an active exception"), and the
+    launcher then reports the whole job as failed. Nothing is left to do at that point, so the
+    rank skips that teardown and exits with its own code.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    local_rank: int, world: int, port: int, backend: str | None, timeout_s: float,
+    fn: Callable[..., Any], args: tuple[Any, ...], out: str,
+) -> None:
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        with process_group(backend, timeout_s=timeout_s):
+            result = fn(*args)
+    except BaseException as exc:
+        Path(out, f"error-{local_rank}").write_bytes(
+            pickle.dumps((type(exc).__name__, str(exc), isinstance(exc, AutobatchError))))
+        raise
+    if local_rank == 0:
+        Path(out, "result").write_bytes(pickle.dumps(result))
+
+
+def spawn_local(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    nprocs: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Any:
+    """Run ``fn(*args)`` on one new process per local GPU, inside one process group; return rank 0's result.
+
+    This is what ``torchrun --nproc-per-node N`` would do on this machine, so the same code
+    (e.g. :func:`probe_distributed`) runs whether or not the user started a launcher. Each
+    worker sees ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` like under torchrun and, with NCCL,
+    has ``cuda:<local rank>`` as its current device.
+
+    Args:
+        fn: a picklable function (defined at module level; a ``functools.partial`` of one works):
+            the workers are fresh interpreters. Build the workload inside it: lambdas in a
+            :class:`~autobatch.probing.workload.Workload` do not pickle.
+        args: its arguments, picklable.
+        nprocs: workers to start; default the number of visible GPUs.
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available.
+        timeout_s: seconds any collective may wait; the whole run is also stopped after
+            ``2 * timeout_s`` plus a minute for start-up, so it can never hang.
+
+    Raises:
+        AutobatchError: a worker failed; the message names the rank and its error.
+
+    Example:
+        >>> # def job(): return probe_distributed(my_workload(), SimulatedBackend("1GiB")).max_batch
+        >>> # spawn_local(job, nprocs=2, backend="gloo")
+    """
+    import torch.multiprocessing as mp
+
+    nprocs = torch.cuda.device_count() if nprocs is None else nprocs
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise AutobatchError(
+            f"spawn_local needs at least one worker, but got nprocs={nprocs!r} (no visible GPU?); "
+            "pass nprocs=N with backend='gloo' to run on the CPU"
+        )
+    deadline = time.monotonic() + 2 * timeout_s + 60
+    with tempfile.TemporaryDirectory(prefix="autobatch-spawn-") as out:
+        context = mp.start_processes(
+            _worker, args=(nprocs, _free_port(), backend, timeout_s, fn, args, out),
+            nprocs=nprocs, join=False, start_method="spawn",
+        )
+        try:
+            while not context.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise AutobatchError(
+                        f"the {nprocs} local workers did not finish within {2 * timeout_s + 60:.0f} s; "
+                        "they were stopped — raise timeout_s for very slow models"
+                    )
+        except mp.ProcessException as exc:
+            raise _worker_error(Path(out), exc) from exc
+        finally:
+            for process in context.processes:  # only the workers started above
+                if process.is_alive():
+                    process.terminate()
+                    process.join(5)
+        return pickle.loads(Path(out, "result").read_bytes())
+
+
+def _worker_error(out: Path, exc: BaseException) -> AutobatchError:
+    errors = {}
+    for path in sorted(out.glob("error-*")):
+        errors[int(path.name.split("-")[1])] = pickle.loads(path.read_bytes())
+    if not errors:
+        return AutobatchError(f"a local worker died without an error message: {str(exc).splitlines()[0]}")
+    # The rank that failed first is the one the others stopped for (they raise RankFailedError).
+    rank, (name, message, ours) = next(
+        ((r, e) for r, e in errors.items() if e[0] != RankFailedError.__name__), next(iter(errors.items())))
+    return AutobatchError(message if ours else f"rank {rank} failed with {name}: {message.splitlines()[0] if message else ''}")

@@ -1,0 +1,326 @@
+"""Estimate the largest batch for a named GPU without one: trace training steps on fake tensors.
+
+The training step is the probe's own (:func:`autobatch.probing.trial.run_trial`: forward, backward,
+optimizer step, ``workload.steps`` times), run under PyTorch's ``FakeTensorMode`` — tensors with
+shapes and dtypes but no memory and no compute — while :class:`~autobatch.probing.memtrack.MemoryTracker`
+counts live storages op by op, exactly as the simulated backend does with real tensors. The
+probe's search (:func:`autobatch.probing.search.search_max`) then drives these fake trials, a trial
+"fitting" when its peak, turned into a GPU's reserved peak by
+:class:`~autobatch.estimating.overheads.Overheads`, stays within the GPU's usable memory. A trial costs the
+same at any batch (shapes only), so the answer is the exact boundary of that model.
+
+Example:
+    >>> import torch, autobatch
+    >>> from autobatch.estimate import estimate
+    >>> model = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    >>> work = autobatch.Workload(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))))
+    >>> result = estimate(work, gpu_memory="1GiB")
+    >>> result.estimated, result.max_batch > 10_000
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..errors import AutobatchError, NoBatchFitsError
+from ..modelinfo import min_batch_for
+from ..probing.backends import DeviceInfo, SimulatedBackend
+from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
+from ..probing.result import BatchResult
+from ..probing.search import search_max
+from ..probing.trial import Trial, run_trial
+from ..probing.workload import Workload, resolve_dtype
+from ..units import format_bytes
+from .gpus import GpuSpec, resolve_gpu
+from .overheads import Overheads
+
+__all__ = ["Estimate", "estimate", "trace_trial", "fake_model", "load_fake_model"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate(BatchResult):
+    """The answer of :func:`estimate`: like :class:`~autobatch.ProbeResult`, but predicted.
+
+    ``max_batch`` is the largest batch whose traced peak, with overheads, stays within
+    ``capacity_bytes`` (the GPU's usable memory); ``safe_batch`` keeps ``headroom_bytes`` free
+    too. Trials hold GPU-reserved figures (overheads applied); ``traced`` holds the raw tensor
+    bytes of each trial. ``estimated`` is always true: nothing ran on a GPU.
+    """
+
+    gpu: GpuSpec
+    overheads: Overheads
+    traced: tuple[Trial, ...]
+    seconds: float
+    dtype: str = "fp32"
+    estimated: bool = True
+
+    def _details(self) -> dict[str, Any]:
+        return {
+            "estimated": True,
+            "gpu": self.gpu.to_dict(),
+            "dtype": self.dtype,
+            "overheads": self.overheads.to_dict(),
+            "seconds": round(self.seconds, 3),
+            "traced": [t.to_dict() for t in self.traced],
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"estimate for {self.gpu.name} (no GPU used; fake-tensor trace, {self.dtype}): "
+            f"{self.workload}, usable {format_bytes(self.capacity_bytes)}",
+            f"estimated max batch {self.max_batch} (limited by {self.limit_text()}), {len(self.trials)} traced trials: "
+            + self.trials_text(),
+            f"estimated safe batch {self.safe_batch} (peak {format_bytes(self.safe_peak_bytes)} predicted, "
+            f"headroom {format_bytes(self.headroom_bytes)})",
+        ]
+        if self.memory_line():
+            lines.append(
+                f"{self.memory_line()} "
+                f"(fragmentation ×{self.overheads.fragmentation}, workspaces {format_bytes(self.overheads.workspace_bytes)})"
+            )
+        lines.append(f"traced in {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Route SDPA to the fused CPU kernel, whose saved tensors have flash attention's O(seq) size.
+
+    Under fake tensors SDPA otherwise takes the math path and keeps the O(seq²) probabilities,
+    which a GPU's flash/memory-efficient kernels never store. Only calls the model makes itself
+    are routed: SDPA inside another overridable function (``nn.MultiheadAttention``) stays on the
+    math path, which over-counts, so the estimate errs small.
+    """
+
+    _NAMES = ("attn_mask", "dropout_p", "is_causal")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention and not kwargs.get("enable_gqa", False):
+            q, k, v = args[:3]
+            options = {**dict(zip(self._NAMES, args[3:])), **kwargs}
+            if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:  # grouped-query heads: leave to the math path
+                out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, options.get("dropout_p", 0.0), options.get("is_causal", False),
+                    attn_mask=options.get("attn_mask"), scale=options.get("scale"),
+                )
+                return out
+        return func(*args, **kwargs)
+
+
+class _FakeBackend(SimulatedBackend):
+    """A backend whose trials run on fake tensors: peaks are exact storage bytes, no budget.
+
+    The simulated backend's storage counter, entered under ``FakeTensorMode``: its
+    ``reset_peak``/``peak``/``allocated_bytes`` are the simulated backend's own.
+    """
+
+    def __init__(self, fake_mode: Any, fused_attention: bool):
+        super().__init__(1 << 62)  # no budget: the search's capacity is the GPU's, not this one's
+        self.fake_mode = fake_mode
+        self.fused_attention = fused_attention
+
+    def info(self) -> DeviceInfo:
+        return DeviceInfo("fake", "fake tensors", None, None, None, None, self.capacity())
+
+    @contextmanager
+    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self.fake_mode)
+            if self.fused_attention:
+                stack.enter_context(_FusedAttention())
+            self._tracker.add(resident)
+            self._tracker.reset_peak()
+            stack.enter_context(self._tracker)
+            yield
+
+
+def _new_fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Batches are built inside the mode, so real inputs never appear; the model is converted.
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def _mode_of(model: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            return p.fake_mode if isinstance(p, FakeTensor) else None
+    return None
+
+
+def load_fake_model(spec: str, **load_kwargs: Any) -> Any:
+    """:func:`autobatch.models.load_model` with the model built on fake tensors (no weight memory).
+
+    Returns the :class:`~autobatch.models.ModelSource`; its model's parameters are fake, and
+    :func:`estimate` traces them under their own fake mode. Where a model cannot be built on fake
+    tensors (weights read from disk), it is loaded for real and converted by :func:`estimate`.
+    """
+    from ..models import load_model
+
+    mode = _new_fake_mode()
+    try:
+        with mode:
+            return load_model(spec, **load_kwargs)
+    except AutobatchError:
+        raise
+    except Exception:  # a loader that needs real tensors: the real model, converted later
+        return load_model(spec, **load_kwargs)
+
+
+def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode: Any) -> torch.nn.Module:
+    """The model with fake parameters and buffers: built inside ``fake_mode``, or converted.
+
+    A model whose parameters are already fake tensors of ``fake_mode`` is used as it is. A factory is called inside the mode, so the weights never take real memory. A module passed
+    in is copied with each parameter and buffer replaced by a fake tensor of the same shape,
+    dtype and ``requires_grad`` (``fake_mode.from_tensor`` copies no data); the user's model is
+    left untouched.
+    """
+    if not isinstance(model, torch.nn.Module):
+        with fake_mode:
+            built = model()
+        if not isinstance(built, torch.nn.Module):
+            raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(built).__name__}")
+        return built
+    if _mode_of(model) is fake_mode:
+        return model
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = fake_mode.from_tensor(b)
+    return copy.deepcopy(model, memo)
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise AutobatchError(
+            f"grad_checkpointing needs a model with gradient_checkpointing_enable(), but {type(model).__name__} has none; "
+            "enable checkpointing inside the model and pass grad_checkpointing=False"
+        )
+    enable()
+
+
+def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_mode: Any,
+                fused_attention: bool = True) -> Trial:
+    """One fake trial: :func:`~autobatch.probing.trial.run_trial` on fake tensors. Bytes are exact tensor bytes.
+
+    ``model`` must already be fake (see :func:`fake_model`) under the same ``fake_mode``.
+    """
+    raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention), batch)
+    return replace(raw, seconds_per_step=None)
+
+
+def _on_gpu(trial: Trial, overheads: Overheads, capacity: int) -> Trial:
+    reserved = overheads.reserved(trial.reserved_bytes)
+    return replace(
+        trial,
+        fits=trial.fits and reserved <= capacity,
+        reserved_bytes=reserved,
+        forward_backward_bytes=overheads.reserved(trial.forward_backward_bytes),
+        optimizer_bytes=overheads.reserved(trial.optimizer_bytes),
+        resident_bytes=None if trial.resident_bytes is None else overheads.reserved(trial.resident_bytes),
+    )
+
+
+def estimate(
+    workload: Workload,
+    gpu: str | GpuSpec | None = None,
+    *,
+    gpu_memory: int | str | None = None,
+    overheads: Overheads | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+    max_batch: int | None = None,
+    min_batch: int | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> Estimate:
+    """Estimate the largest and a safe per-GPU batch for ``gpu``, on any machine, without a GPU.
+
+    Args:
+        workload: what to train; its model (module or factory) is traced on fake tensors.
+        gpu: a catalogue name (``"a100-80gb"``, ``"h100"``, see :data:`autobatch.estimating.gpus.GPUS`) or a
+            :class:`~autobatch.estimating.gpus.GpuSpec`; default :data:`autobatch.estimating.gpus.DEFAULT_GPU`.
+        gpu_memory: the card's total memory instead of a name (``"40GiB"``).
+        overheads: what the trace cannot see (default :class:`~autobatch.estimating.overheads.Overheads`);
+            ``Overheads.none()`` gives the exact tensor bytes the simulated backend measures.
+        headroom: kept free for ``safe_batch``: a fraction of usable memory or a size.
+        max_batch: an explicit cap on the batch.
+        min_batch: the smallest batch; default 2 for models with BatchNorm, else 1.
+        on_trial: called with each traced trial (GPU figures) as it finishes.
+
+    Raises:
+        NoBatchFitsError: when even ``min_batch`` does not fit the GPU.
+    """
+    started = time.perf_counter()
+    spec = resolve_gpu(gpu, gpu_memory)
+    overheads = overheads if overheads is not None else Overheads()
+    context = spec.context_bytes if overheads.context_bytes is None else overheads.context_bytes
+    capacity = spec.total_bytes - context
+    if capacity <= 0:
+        raise AutobatchError(
+            f"the GPU's memory ({format_bytes(spec.total_bytes)}) must exceed its CUDA context "
+            f"({format_bytes(context)}); pass a larger --gpu-memory or a smaller context_bytes"
+        )
+    headroom_bytes = resolve_headroom(headroom, capacity)
+    for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
+    fake_mode = _mode_of(workload.model) or _new_fake_mode()
+    model = fake_model(workload.model, fake_mode)
+    if workload.grad_checkpointing:
+        with fake_mode:
+            _enable_checkpointing(model)
+    model.train()
+    if min_batch is None:
+        min_batch = min_batch_for(model)
+    if max_batch is not None and max_batch < min_batch:
+        raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
+    traced: list[Trial] = []
+
+    def run(batch: int) -> Trial:
+        raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
+        traced.append(raw)
+        trial = _on_gpu(raw, overheads, capacity)
+        if on_trial is not None:
+            on_trial(trial)
+        return trial
+
+    outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+    if outcome.max_batch == 0:
+        first = outcome.trials[0]
+        raise NoBatchFitsError(
+            f"estimate: even a batch of {min_batch} needs about {format_bytes(first.reserved_bytes)} on {spec.name} "
+            f"(usable {format_bytes(capacity)}); use a shorter sequence, bf16, gradient checkpointing, "
+            "a smaller model or a larger GPU"
+        )
+    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
+    dtype = resolve_dtype(workload.dtype)
+    return Estimate(
+        max_batch=outcome.max_batch,
+        safe_batch=summary.safe_batch,
+        limited_by=outcome.limited_by,
+        min_batch=min_batch,
+        gpu=spec,
+        capacity_bytes=capacity,
+        headroom_bytes=headroom_bytes,
+        bytes_per_sample=summary.bytes_per_sample,
+        fixed_bytes=summary.fixed_bytes,
+        safe_peak_bytes=summary.safe_peak_bytes,
+        overheads=overheads,
+        trials=outcome.trials,
+        traced=tuple(traced),
+        seconds=time.perf_counter() - started,
+        workload=workload.name,
+        dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
+    )

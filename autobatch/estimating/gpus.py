@@ -1,0 +1,150 @@
+"""A catalogue of common GPUs: how much memory a training step can use on each.
+
+``total_bytes`` is the memory the driver reports for the card (``torch.cuda.get_device_properties
+(i).total_memory``, a little under the marketing figure because ECC and the driver keep some).
+``context_bytes`` is what the CUDA/ROCm context of one process takes before the first tensor
+(kernels of torch, cuBLAS, cuDNN loaded lazily); the probe measures its capacity after that, so
+``usable_bytes = total_bytes - context_bytes`` is the figure an estimate compares peaks with.
+
+The context sizes are typical values with lazy module loading (CUDA ≥ 11.7, the default in
+torch): 300–600 MiB depending on the card and driver. They are assumptions, not measurements of
+your machine; ``docs/estimate.md`` lists where each figure comes from.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import AutobatchError
+from ..units import format_bytes, parse_bytes
+
+__all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "DEFAULT_CONTEXT_BYTES", "lookup_gpu", "custom_gpu", "resolve_gpu"]
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+DEFAULT_GPU = "a100-80gb"
+DEFAULT_CONTEXT_BYTES = 500 * _MIB  # a card not in the catalogue: the middle of the 300–600 MiB range
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model, as far as memory goes.
+
+    Args:
+        name: the catalogue name, e.g. ``"a100-80gb"``.
+        total_bytes: memory the driver reports for the card.
+        context_bytes: memory the CUDA/ROCm context takes per process before any tensor.
+        vendor: ``"nvidia"``, ``"amd"`` or ``"custom"``.
+        notes: where the figures come from, or what to watch for.
+        aliases: other spellings accepted by :func:`lookup_gpu`.
+
+    Example:
+        >>> lookup_gpu("H100").usable_bytes == lookup_gpu("h100-80gb").usable_bytes
+        True
+    """
+
+    name: str
+    total_bytes: int
+    context_bytes: int
+    vendor: str
+    notes: str = ""
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.total_bytes - self.context_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("aliases")
+        data["usable_bytes"] = self.usable_bytes
+        return data
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name:<11} {format_bytes(self.total_bytes):>11} total  "
+            f"{format_bytes(self.usable_bytes):>11} usable  {self.vendor:<6} {self.notes}"
+        )
+
+
+def _gib(x: float) -> int:
+    return int(x * _GIB)
+
+
+GPUS: dict[str, GpuSpec] = {
+    spec.name: spec
+    for spec in (
+        GpuSpec("v100-16gb", _gib(15.77), 400 * _MIB, "nvidia", "Volta; no bf16 (autocast bf16 is emulated)", ("v100",)),
+        GpuSpec("v100-32gb", _gib(31.74), 400 * _MIB, "nvidia", "Volta; no bf16 (autocast bf16 is emulated)"),
+        GpuSpec("t4", _gib(14.75), 350 * _MIB, "nvidia", "Turing 16 GB with ECC on; no bf16"),
+        GpuSpec("a10g", _gib(22.20), 450 * _MIB, "nvidia", "Ampere 24 GB (AWS g5)", ("a10",)),
+        GpuSpec("l4", _gib(22.03), 450 * _MIB, "nvidia", "Ada 24 GB (GCP g2)"),
+        GpuSpec("rtx-3090", _gib(23.69), 450 * _MIB, "nvidia", "Ampere 24 GB; the desktop also draws here", ("3090",)),
+        GpuSpec("rtx-4090", _gib(23.64), 450 * _MIB, "nvidia", "Ada 24 GB; the desktop also draws here", ("4090",)),
+        GpuSpec("a100-40gb", _gib(39.39), 500 * _MIB, "nvidia", "Ampere 40 GB"),
+        GpuSpec("a100-80gb", _gib(79.15), 500 * _MIB, "nvidia", "Ampere 80 GB (the default GPU)"),
+        GpuSpec("h100-80gb", _gib(79.19), 550 * _MIB, "nvidia", "Hopper 80 GB (SXM; PCIe is within 0.1 GiB)", ("h100",)),
+        GpuSpec("h200", _gib(139.80), 550 * _MIB, "nvidia", "Hopper 141 GB", ("h200-141gb",)),
+        GpuSpec("mi250", _gib(64.0), 400 * _MIB, "amd", "per GCD: an MI250 is two devices of 64 GB", ("mi250x",)),
+        GpuSpec("mi300x", _gib(192.0), 500 * _MIB, "amd", "CDNA3 192 GB"),
+    )
+}
+
+
+def _normalise(name: str) -> str:
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    for prefix in ("nvidia", "amd", "instinct", "geforce", "tesla"):
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _keys(spec: GpuSpec) -> set[str]:
+    keys = {_normalise(n) for n in (spec.name, *spec.aliases)}
+    return keys | {k.removesuffix("gb") for k in keys} | {k.removesuffix("gb") + "g" for k in keys if k.endswith("gb")}
+
+
+_INDEX = {key: spec for spec in GPUS.values() for key in _keys(spec)}
+
+
+def lookup_gpu(name: str) -> GpuSpec:
+    """The catalogue entry for ``name``: case, spaces, hyphens and a vendor prefix do not matter.
+
+    Raises:
+        AutobatchError: one line listing the catalogue when the name is unknown.
+
+    Example:
+        >>> lookup_gpu("NVIDIA A100 80GB").name
+        'a100-80gb'
+    """
+    spec = _INDEX.get(_normalise(str(name)))
+    if spec is None:
+        raise AutobatchError(
+            f"gpu must be one of {', '.join(GPUS)}, but got {name!r}; "
+            "for any other card pass its memory instead (--gpu-memory 40GiB)"
+        )
+    return spec
+
+
+def custom_gpu(memory: int | str, *, context_bytes: int = DEFAULT_CONTEXT_BYTES, name: str | None = None) -> GpuSpec:
+    """A card that is not in the catalogue, from its total memory (``"40GiB"`` or bytes).
+
+    Example:
+        >>> custom_gpu("40GiB").usable_bytes == 40 * 2**30 - 500 * 2**20
+        True
+    """
+    total = parse_bytes(memory)
+    if total <= 0:
+        raise AutobatchError(f"gpu memory must be positive, but got {memory!r}; pass the card's total memory, e.g. 40GiB")
+    return GpuSpec(name or f"custom-{format_bytes(total).replace(' ', '')}", total, context_bytes, "custom",
+                   f"--gpu-memory {format_bytes(total)}")
+
+
+def resolve_gpu(gpu: str | GpuSpec | None = None, gpu_memory: int | str | None = None) -> GpuSpec:
+    """The GPU an estimate is for: ``gpu_memory`` wins, else ``gpu`` (name or spec), else the default."""
+    if gpu_memory is not None:
+        return custom_gpu(gpu_memory)
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    return lookup_gpu(gpu if gpu is not None else DEFAULT_GPU)

@@ -1,0 +1,166 @@
+"""``find``: probe the largest per-device batch, then solve the plan for a target global batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import AutobatchError
+from .planning.plan import Plan
+from .planning.solver import solve
+from .probing.backends import MemoryBackend
+from .probing.probe import DEFAULT_HEADROOM, ProbeResult, make_backend
+from .probing.trial import Trial
+from .probing.workload import Workload, default_loss
+
+__all__ = ["Finding", "find", "find_plan", "plan_from_probe", "probe_worker", "local_gpu_count"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What ``autobatch find`` answers: the probe and the plan built on its safe batch."""
+
+    probe: ProbeResult
+    plan: Plan
+    cached: bool = False
+    ranks_report: str | None = None  # the per-rank table when every rank probed its own device
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_micro": self.probe.max_batch,
+            "safe_micro": self.probe.safe_batch,
+            **self.plan.to_dict(),
+            "probe": self.probe.to_dict(),
+            "trials": [t.to_dict() for t in self.probe.trials],
+            "estimated": False,
+            "cached": self.cached,
+        }
+
+    def __str__(self) -> str:
+        return f"{self.probe}{' (cached)' if self.cached else ''}\nplan: {self.plan.describe()}"
+
+
+def local_gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan_from_probe(
+    result: ProbeResult,
+    *,
+    target: int | None = None,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    model_parallel: int = 1,
+    multiple_of: int | None = None,
+    base_lr: float | None = None,
+    base_batch: int | None = None,
+) -> Plan:
+    """The plan for ``target`` with the probe's safe batch as the largest micro batch.
+
+    Without a ``target`` the plan is the safe batch on every GPU with no accumulation.
+    """
+    if result.safe_batch < result.min_batch:
+        raise AutobatchError(
+            f"no batch keeps the headroom ({result.headroom_bytes} bytes): even the smallest batch "
+            f"({result.min_batch}) peaks above capacity minus headroom; lower --headroom "
+            f"(max batch without it: {result.max_batch})"
+        )
+    if target is None:
+        return Plan(result.safe_batch, 1, gpus_per_node=gpus_per_node, nodes=nodes, model_parallel=model_parallel,
+                    max_micro=result.safe_batch, min_micro=result.min_batch,
+                    reason="the safe batch on every GPU, no accumulation (no target given)")
+    return solve(target, gpus_per_node, nodes, result.safe_batch, min_micro=result.min_batch,
+                 multiple_of=multiple_of, model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch)
+
+
+def find_plan(
+    workload: Workload,
+    *,
+    target: int | None = None,
+    gpus_per_node: int | None = None,
+    nodes: int = 1,
+    model_parallel: int = 1,
+    backend: MemoryBackend | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+    max_batch: int | None = None,
+    min_micro: int | None = None,
+    multiple_of: int | None = None,
+    base_lr: float | None = None,
+    base_batch: int | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+    use_cache: bool = False,
+    cache_root: Path | None = None,
+) -> Finding:
+    """Probe ``workload`` on ``backend`` and solve for ``target`` with the safe batch as the limit.
+
+    ``gpus_per_node`` defaults to the GPUs visible here (1 on a CPU-only machine). With
+    ``use_cache`` a probe already made for the same fingerprint is read from disk
+    (:mod:`autobatch.cache`) instead of run again.
+    """
+    from .tuning.cache import cached_probe
+
+    backend = backend if backend is not None else make_backend()
+    result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro, headroom=headroom,
+                                  on_trial=on_trial, use_cache=use_cache, root=cache_root)
+    if gpus_per_node is None:
+        gpus_per_node = max(1, local_gpu_count()) if backend.device.type == "cuda" else 1
+    plan = plan_from_probe(result, target=target, gpus_per_node=gpus_per_node, nodes=nodes,
+                           model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
+                           base_batch=base_batch)
+    return Finding(result, plan, cached=cached)
+
+
+def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], options: dict[str, Any],
+                 memory: str | None = None) -> tuple[ProbeResult, str]:
+    """One rank of a ``find`` that started its own workers: probe this rank's device in lockstep.
+
+    Module level and built from plain arguments, because workers receive it pickled (a
+    workload's lambdas do not pickle). Returns the agreed result and the per-rank report.
+    """
+    from .distributed.launch import probe_distributed, rank_env
+    from .models import load_model
+
+    workload = load_model(model, **load).to_workload(**settings)
+    device = "cpu" if memory is not None else f"cuda:{rank_env().local_rank}"
+    result = probe_distributed(workload, make_backend(device, memory), **options)
+    return result.to_probe_result(), str(result)
+
+
+def find(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], Any],
+    *,
+    target: int | None = None,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
+    optimizer: Any = "adamw",
+    dtype: str | torch.dtype | None = None,
+    grad_checkpointing: bool = False,
+    device: str | None = None,
+    memory: int | str | None = None,
+    **options: Any,
+) -> Plan:
+    """The plan for ``target`` from a probe of your model, in one call, before training.
+
+    Args:
+        model: your model (left bit-identical) or a function building it.
+        make_batch: ``make_batch(b)`` returns a batch of ``b`` samples at the worst-case shape.
+        target: the global batch per optimizer step; default the safe batch on every GPU.
+        loss_fn, optimizer, dtype, grad_checkpointing: as in :class:`~autobatch.Workload`.
+        device, memory: ``"cuda"`` (default when available) or ``"cpu"`` with a simulated ``memory``.
+        options: passed to :func:`find_plan` (``gpus_per_node``, ``nodes``, ``headroom``, …).
+
+    Example:
+        >>> import torch, autobatch
+        >>> model = torch.nn.Linear(64, 10)
+        >>> plan = autobatch.find(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))),
+        ...                       target=96, device="cpu", memory="64KiB", headroom=0)
+        >>> plan.micro_batch * plan.grad_accum * plan.world_size
+        96
+    """
+    workload = Workload(model, make_batch, loss_fn=loss_fn, optimizer=optimizer, dtype=dtype,
+                        grad_checkpointing=grad_checkpointing)
+    return find_plan(workload, target=target, backend=make_backend(device, memory), **options).plan

@@ -1,0 +1,96 @@
+"""Lend a model to the probe and give it back exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..errors import AutobatchError
+
+__all__ = ["borrowed_model"]
+
+
+@contextmanager
+def borrowed_model(
+    model: torch.nn.Module, device: torch.device, *, grad_checkpointing: bool = False
+) -> Iterator[torch.nn.Module]:
+    """Yield ``model`` on ``device``, in train mode, ready to be trained; restore it on exit.
+
+    On exit the parameters, buffers, gradients, ``requires_grad`` flags, train/eval modes and the
+    RNG state are what they were, bit for bit, and nothing the probe made is left on ``device``.
+    Tensors already on ``device`` are trained in place after a copy is put aside on the CPU (so
+    the probe sees the memory training would see, not two copies); tensors elsewhere are trained
+    as copies on ``device`` while the originals wait untouched.
+    """
+    params = dict(model.named_parameters(remove_duplicate=True))
+    buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
+    grads = {name: (p.grad, p.requires_grad) for name, p in params.items()}
+    modes = [(module, module.training) for module in model.modules()]
+    checkpointing_before = _checkpointing_on(model)
+    # Per tensor: ("copy", CPU copy) when trained in place on the device, ("moved", original) when
+    # a copy is trained on the device instead. Keyed by name: ``p.data`` is a new object each time.
+    param_saves: dict[str, tuple[str, torch.Tensor]] = {}
+    buffer_saves: list[tuple[str, torch.Tensor]] = []
+
+    def lend(tensor: torch.Tensor) -> tuple[tuple[str, torch.Tensor], torch.Tensor]:
+        if tensor.device == device:
+            return ("copy", tensor.detach().to("cpu", copy=True)), tensor
+        return ("moved", tensor), tensor.detach().to(device, copy=True)
+
+    def give_back(save: tuple[str, torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        how, kept = save
+        if how == "copy":
+            current.copy_(kept)
+            return current
+        return kept
+
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        try:
+            with torch.no_grad():
+                for name, p in params.items():
+                    param_saves[name], p.data = lend(p.data)
+                    p.grad = None
+                for module, name, buf in buffers:
+                    save, module._buffers[name] = lend(buf)
+                    buffer_saves.append(save)
+            model.train()
+            if grad_checkpointing and not checkpointing_before:
+                _enable_checkpointing(model)
+            yield model
+        finally:
+            if grad_checkpointing and not checkpointing_before and hasattr(model, "gradient_checkpointing_disable"):
+                model.gradient_checkpointing_disable()
+            with torch.no_grad():
+                for name, save in param_saves.items():
+                    p = params[name]
+                    p.data = give_back(save, p.data)
+                    p.grad, requires_grad = grads[name]
+                    p.requires_grad_(requires_grad)
+                for (module, name, _), save in zip(buffers, buffer_saves):
+                    module._buffers[name] = give_back(save, module._buffers[name])
+            for module, training in modes:
+                module.training = training
+
+
+def _checkpointing_on(model: torch.nn.Module) -> bool:
+    # Newer transformers renamed the flag and warns on the old name; read whichever exists.
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in vars(model):
+            return bool(getattr(model, name))
+    return False
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise AutobatchError(
+            f"gradient checkpointing needs a model with gradient_checkpointing_enable() (transformers models "
+            f"have it), but {type(model).__name__} has none; enable checkpointing inside your model instead"
+        )
+    try:
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    except TypeError:  # older transformers take no kwargs
+        enable()

@@ -1,0 +1,189 @@
+"""Probe a workload on a device: the exact largest batch, a safe batch, and every trial."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import AutobatchError, MinimumBatchError, NoBatchFitsError
+from ..modelinfo import min_batch_for
+from ..units import format_bytes, parse_bytes
+from .backends import CudaBackend, MemoryBackend, SimulatedBackend
+from .preserve import borrowed_model
+from .result import ProbeResult
+from .search import fit_line, predict_batch, search_max
+from .trial import Trial, run_trial
+from .workload import Workload
+
+__all__ = ["probe", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM"]
+
+DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
+_BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
+
+
+def make_backend(device: str | torch.device | None = None, memory: int | str | None = None) -> MemoryBackend:
+    """The backend for a device name: ``"cuda"``/``"cuda:1"`` real, ``"cpu"`` with a simulated ``memory``."""
+    name = str(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if memory is not None:
+            raise AutobatchError(
+                f"memory={memory!r} simulates a budget on the CPU and cannot limit a real GPU; "
+                "drop --memory, or probe on --device cpu"
+            )
+        return CudaBackend(name)
+    if name == "cpu":
+        if memory is None:
+            raise AutobatchError(
+                "probing on the CPU needs a simulated memory budget, but none was given; "
+                "pass memory='8GiB' (CLI: --device cpu --memory 8GiB)"
+            )
+        return SimulatedBackend(memory)
+    raise AutobatchError(f"device must be 'cuda', 'cuda:N' or 'cpu', but got {name!r}")
+
+
+def resolve_headroom(headroom: float | int | str, capacity: int) -> int:
+    """Headroom in bytes, from a fraction of capacity (``0.05``, ``"5%"``) or a size (``"2GiB"``)."""
+    if isinstance(headroom, str) and headroom.strip().endswith("%"):
+        headroom = float(headroom.strip()[:-1]) / 100
+    if isinstance(headroom, float) or (isinstance(headroom, int) and headroom == 0):
+        if not 0 <= headroom < 1:
+            raise AutobatchError(
+                f"headroom as a fraction of memory must be in [0, 1), but got {headroom!r}; write e.g. 0.05 or 5% or 2GiB"
+            )
+        return int(capacity * headroom)
+    size = parse_bytes(headroom)
+    if size >= capacity:
+        raise AutobatchError(
+            f"headroom must be smaller than the device capacity ({format_bytes(capacity)}), but got {format_bytes(size)}"
+        )
+    return size
+
+
+def phase_points(trials: tuple[Trial, ...] | list[Trial]) -> tuple[dict[int, int], dict[int, int]]:
+    """Measured peaks of the trials that fit, per phase: (forward+backward, optimizer)."""
+    fits = [t for t in trials if t.fits]
+    return ({t.batch: t.forward_backward_bytes for t in fits}, {t.batch: t.optimizer_bytes for t in fits})
+
+
+@dataclass(frozen=True)
+class MemorySummary:
+    """What the trials say beyond the max: the safe batch and the fitted memory line."""
+
+    safe_batch: int
+    safe_peak_bytes: int | None   # measured when a trial ran at safe_batch, else predicted
+    safe_peak_measured: bool
+    bytes_per_sample: float | None
+    fixed_bytes: float | None
+
+
+def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: int) -> MemorySummary:
+    """The largest batch ≤ ``max_batch`` whose peak stays within ``limit`` bytes, and the line.
+
+    Measured peaks bound the answer from both sides; between them the per-phase lines decide.
+    Shared by the probe, the lockstep probe across ranks and the estimate.
+    """
+    fits = {t.batch: t.reserved_bytes for t in trials if t.fits}
+    floor_ = max((b for b, peak in fits.items() if peak <= limit), default=0)
+    ceiling = min((b for b, peak in fits.items() if peak > limit), default=max_batch + 1) - 1
+    phases = phase_points(trials)
+    growing = fit_line(phases[0])
+    lines = [line for line in map(fit_line, phases) if line is not None]
+    predicted = predict_batch(phases, None, limit) if growing is not None else None
+    safe = floor_ if predicted is None else max(floor_, min(ceiling, predicted))
+    safe = min(safe, max_batch)
+    if safe in fits:
+        peak, measured = fits[safe], True
+    elif safe == 0 or not lines:
+        peak, measured = None, False
+    else:
+        peak, measured = int(max(line[0] + line[1] * safe for line in lines)), False
+    return MemorySummary(safe, peak, measured, growing[1] if growing else None, growing[0] if growing else None)
+
+
+def probe(
+    workload: Workload,
+    backend: MemoryBackend | None = None,
+    *,
+    max_batch: int | None = None,
+    min_batch: int | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> ProbeResult:
+    """Find the exact largest per-device batch that trains, by running real training steps.
+
+    Args:
+        workload: what to train (see :class:`~autobatch.probing.workload.Workload`).
+        backend: where; default the current CUDA device (see :func:`make_backend`).
+        max_batch: an explicit cap on the batch.
+        min_batch: the smallest batch allowed; default 2 for models with BatchNorm, else 1.
+        headroom: memory kept free for ``safe_batch``: a fraction of capacity or a size.
+        on_trial: called with each :class:`~autobatch.probing.trial.Trial` as it finishes.
+
+    Example:
+        >>> import torch, autobatch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        >>> work = autobatch.Workload(model, lambda b: (torch.randn(b, 32), torch.randint(0, 4, (b,))))
+        >>> result = autobatch.probe(work, autobatch.SimulatedBackend("1MiB"))
+        >>> result.max_batch > 0 and len(result.trials) <= 6
+        True
+    """
+    backend = backend if backend is not None else make_backend()
+    for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
+    capacity = backend.capacity()
+    headroom_bytes = resolve_headroom(headroom, capacity)
+    owned = not isinstance(workload.model, torch.nn.Module)
+    model = workload.model() if owned else workload.model
+    if not isinstance(model, torch.nn.Module):
+        raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
+    if min_batch is None:
+        min_batch = min_batch_for(model)
+    if max_batch is not None and max_batch < min_batch:
+        raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
+
+    def run(batch: int) -> Trial:
+        try:
+            trial = run_trial(workload, lent, backend, batch)
+        except ValueError as exc:
+            if batch == 1 and _BATCHNORM_MESSAGE in str(exc):
+                raise MinimumBatchError(
+                    "the model needs a per-device batch of at least 2 (BatchNorm cannot compute statistics "
+                    "of one sample), but the probe started at 1; use min_batch=2 (CLI: --min-micro 2)",
+                    min_batch=2,
+                ) from exc
+            raise
+        if on_trial is not None:
+            on_trial(trial)
+        return trial
+
+    with borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing) as lent:
+        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+    if owned:
+        del model, lent
+    backend.release()
+    if outcome.max_batch == 0:
+        first = outcome.trials[0]
+        raise NoBatchFitsError(
+            f"even a batch of {min_batch} runs out of memory on {backend.info().name} "
+            f"(capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); "
+            "use a shorter sequence, bf16, gradient checkpointing, a smaller model or a larger device"
+        )
+    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
+    return ProbeResult(
+        max_batch=outcome.max_batch,
+        safe_batch=summary.safe_batch,
+        limited_by=outcome.limited_by,
+        min_batch=min_batch,
+        trials=outcome.trials,
+        device=backend.info(),
+        capacity_bytes=capacity,
+        headroom_bytes=headroom_bytes,
+        bytes_per_sample=summary.bytes_per_sample,
+        fixed_bytes=summary.fixed_bytes,
+        safe_peak_bytes=summary.safe_peak_bytes,
+        safe_peak_measured=summary.safe_peak_measured,
+        workload=workload.name,
+    )

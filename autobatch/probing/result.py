@@ -1,0 +1,102 @@
+"""The answer of a probe: one base for every kind of result, so a field is added once.
+
+:class:`BatchResult` holds what every answer has — the exact max, the safe batch, the trials
+that prove them, the memory line — and prints and serialises it. :class:`ProbeResult` is a
+probe on one real or simulated device; the estimate (:mod:`autobatch.estimating`) and the
+agreed answer of every rank (:mod:`autobatch.distributed`) extend the same base.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..units import format_bytes
+from .backends import DeviceInfo
+from .trial import Trial
+
+__all__ = ["BatchResult", "ProbeResult"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchResult:
+    """What every answer holds.
+
+    ``max_batch`` is the largest batch that fit (exact when ``max_batch + 1`` is in ``trials``
+    and failed, unless ``limited_by == "max_batch"``). ``safe_batch`` is the largest batch whose
+    peak, measured or predicted from the fitted line, stays under ``capacity_bytes -
+    headroom_bytes``. ``bytes_per_sample``/``fixed_bytes`` are that line's slope and intercept.
+    """
+
+    max_batch: int
+    safe_batch: int
+    limited_by: str                  # "memory" or "max_batch"
+    min_batch: int
+    trials: tuple[Trial, ...]
+    capacity_bytes: int
+    headroom_bytes: int
+    bytes_per_sample: float | None   # slope of the fitted line
+    fixed_bytes: float | None        # its intercept: model, gradients, optimizer state, workspaces
+    safe_peak_bytes: int | None      # measured when a trial ran at safe_batch, else predicted
+    workload: str = "model"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def max_trial(self) -> Trial | None:
+        return next((t for t in self.trials if t.batch == self.max_batch and t.fits), None)
+
+    def trials_text(self) -> str:
+        """``4✓, 9✗, 7✓, 8✗``: every trial in the order it ran."""
+        return ", ".join(f"{t.batch}{'✓' if t.fits else '✗'}" for t in self.trials)
+
+    def limit_text(self) -> str:
+        return "the max_batch cap" if self.limited_by == "max_batch" else "memory"
+
+    def _details(self) -> dict[str, Any]:
+        """The fields a subclass adds, for :meth:`to_dict`."""
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "max_batch": self.max_batch,
+            "safe_batch": self.safe_batch,
+            "limited_by": self.limited_by,
+            "min_batch": self.min_batch,
+            "capacity_bytes": self.capacity_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "bytes_per_sample": self.bytes_per_sample,
+            "fixed_bytes": self.fixed_bytes,
+            "safe_peak_bytes": self.safe_peak_bytes,
+            **self._details(),
+            "trials": [t.to_dict() for t in self.trials],
+            **self.extra,
+        }
+
+    def memory_line(self) -> str | None:
+        if not self.bytes_per_sample:
+            return None
+        return f"memory ≈ {format_bytes(self.fixed_bytes)} + {format_bytes(self.bytes_per_sample)} per sample"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeResult(BatchResult):
+    """The answer of :func:`~autobatch.probe`: trials that ran on ``device``."""
+
+    device: DeviceInfo
+    safe_peak_measured: bool
+
+    def _details(self) -> dict[str, Any]:
+        return {"safe_peak_measured": self.safe_peak_measured, "device": self.device.to_dict()}
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.workload} on {self.device.name}: capacity {format_bytes(self.capacity_bytes)}",
+            f"max batch {self.max_batch} (limited by {self.limit_text()}), found in {len(self.trials)} trials: "
+            + self.trials_text(),
+            f"safe batch {self.safe_batch} (peak {format_bytes(self.safe_peak_bytes)}"
+            f"{'' if self.safe_peak_measured else ' predicted'}, headroom {format_bytes(self.headroom_bytes)})",
+        ]
+        if self.memory_line():
+            lines.append(self.memory_line())
+        return "\n".join(lines)

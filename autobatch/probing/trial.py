@@ -1,0 +1,145 @@
+"""One trial: real training steps at one batch size, and what they cost."""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .backends import MemoryBackend
+from .oom import is_oom_error
+from .workload import Workload, make_optimizer, resolve_dtype
+
+__all__ = ["Trial", "run_trial", "forward_backward", "to_device"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The record of one trial. Bytes are absolute device figures (the model included).
+
+    ``peak_bytes`` is the allocator's peak of live tensors, ``reserved_bytes`` what it held
+    from the device (the figure that meets the capacity). The reserved peak is also kept per
+    phase, because the two grow differently: ``forward_backward_bytes`` grows with the batch
+    (activations), ``optimizer_bytes`` hardly (gradients and optimizer state), and at small
+    batches the latter can set the whole peak. For a trial that ran out of memory the figures
+    are those reached before it failed. ``resident_bytes`` is what stays allocated between
+    steps (parameters and optimizer state), ``None`` when the trial failed.
+    """
+
+    batch: int
+    fits: bool
+    peak_bytes: int
+    reserved_bytes: int
+    forward_backward_bytes: int = 0
+    optimizer_bytes: int = 0
+    resident_bytes: int | None = None
+    seconds_per_step: float | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        moved = {k: to_device(v, device) for k, v in batch.items()}
+        return moved if type(batch) is dict else type(batch)(moved)
+    if isinstance(batch, (list, tuple)):
+        items = [to_device(v, device) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
+    """One micro-batch's forward and backward at ``batch_size`` (gradients accumulate in ``model``)."""
+    # A function of its own so the batch, activations and loss die with its frame.
+    batch = to_device(workload.make_batch(batch_size), device)
+    dtype = resolve_dtype(workload.dtype)
+    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
+    with autocast:
+        loss = workload.loss_fn(model, batch)
+    loss.backward()
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class _Peaks:
+    """Running maxima of the backend's peaks, per phase."""
+
+    def __init__(self, backend: MemoryBackend):
+        self.backend = backend
+        self.allocated = self.reserved = 0
+        self.phase = {"forward_backward": 0, "optimizer": 0}
+
+    def read(self, phase: str) -> None:
+        peak = self.backend.peak()
+        self.allocated = max(self.allocated, peak.allocated)
+        self.reserved = max(self.reserved, peak.reserved)
+        self.phase[phase] = max(self.phase[phase], peak.reserved)
+        self.backend.reset_peak()
+
+
+def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend, batch_size: int) -> Trial:
+    """Train ``model`` for ``workload.steps`` full steps at ``batch_size`` on ``backend``.
+
+    An out-of-memory error (see :func:`autobatch.probing.oom.is_oom_error`) becomes a trial that does not
+    fit; any other exception propagates untouched. Either way the trial's tensors are freed and
+    the device is back at its baseline when this returns.
+    """
+    params = [p for p in model.parameters()]
+    resident = params + [b for b in model.buffers()]
+    times: list[float] = []
+    resident_bytes = error = None
+    backend.release()
+    with backend.track(resident):
+        peaks = _Peaks(backend)
+        optimizer = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
+        phase = "forward_backward"
+        try:
+            for _ in range(workload.steps):
+                backend.synchronize()
+                start = time.perf_counter()
+                phase = "forward_backward"
+                forward_backward(workload, model, batch_size, backend.device)
+                peaks.read(phase)
+                phase = "optimizer"
+                _optimizer_step(optimizer)
+                peaks.read(phase)
+                times.append(time.perf_counter() - start)
+            resident_bytes = backend.allocated_bytes()
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            error = str(exc).splitlines()[0][:300]
+            # The traceback's frames hold the failed step's tensors; drop them before measuring.
+            traceback.clear_frames(exc.__traceback__)
+            peaks.read(phase)
+        finally:
+            del optimizer
+            model.zero_grad(set_to_none=True)
+    backend.release()
+    fits = error is None
+    return Trial(
+        batch=batch_size,
+        fits=fits,
+        peak_bytes=peaks.allocated,
+        reserved_bytes=peaks.reserved,
+        forward_backward_bytes=peaks.phase["forward_backward"],
+        optimizer_bytes=peaks.phase["optimizer"],
+        resident_bytes=resident_bytes,
+        # The first step allocates optimizer state; the steady state is what training sees.
+        seconds_per_step=statistics.median(times[1:]) if fits else None,
+        error=error,
+    )

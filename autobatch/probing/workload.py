@@ -1,0 +1,130 @@
+"""What a trial trains: a model, batches of any size, a loss and an optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from ..errors import AutobatchError
+
+__all__ = ["Workload", "default_loss", "make_optimizer", "resolve_dtype", "OPTIMIZERS", "DTYPES"]
+
+ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "sgd-nomomentum": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-3),
+}
+DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None, "float32": None,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of one batch, for the shapes batches usually take.
+
+    * a mapping (transformers style): ``model(**batch)``, and its ``loss`` (labels in the batch);
+    * a pair ``(inputs, targets)``: cross-entropy of ``model(inputs)`` against ``targets``;
+    * a tensor: the mean of ``model(batch)`` (enough to train every parameter for probing).
+    """
+    if isinstance(batch, dict):
+        out = model(**batch)
+        loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is None:
+            raise AutobatchError(
+                "default_loss needs the model to return a loss when the batch is a dict, but it returned none; "
+                "put labels in the batch or pass loss_fn=…"
+            )
+        return loss
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, targets = batch
+        return torch.nn.functional.cross_entropy(model(inputs), targets)
+    out = model(batch)
+    if isinstance(out, torch.Tensor):
+        return out.float().mean()
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None:
+        raise AutobatchError(
+            f"default_loss needs model(batch) to return a tensor or an object with a loss, but it returned "
+            f"{type(out).__name__}; pass loss_fn=…"
+        )
+    return loss
+
+
+def make_optimizer(optimizer: str | OptimizerFactory, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if callable(optimizer):
+        return optimizer(params)
+    try:
+        factory = OPTIMIZERS[optimizer.lower()]
+    except KeyError:
+        raise AutobatchError(
+            f"optimizer must be one of {', '.join(OPTIMIZERS)}, but got {optimizer!r}; "
+            "pass an optimizer factory from Python for anything else"
+        ) from None
+    return factory(params)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """The autocast dtype, ``None`` for full fp32."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return None if dtype == torch.float32 else dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise AutobatchError(f"dtype must be one of fp32, bf16, fp16, but got {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step, at any batch size.
+
+    Args:
+        model: the model, or a function that builds it. A model passed in is trained during
+            probing and restored bit for bit afterwards; a factory is called once per probe.
+        make_batch: ``make_batch(b)`` returns a batch of ``b`` samples at the worst-case shape
+            (the longest sequence you will train on). Tensors are moved to the probed device.
+        loss_fn: ``loss_fn(model, batch)`` returns the scalar loss; see :func:`default_loss`.
+        optimizer: ``"adamw"``, ``"sgd"``, … or a factory ``params -> Optimizer``.
+        dtype: autocast dtype (``"bf16"``, ``"fp16"``) or ``None`` for fp32.
+        grad_checkpointing: call the model's ``gradient_checkpointing_enable()`` while probing.
+        steps: full training steps per trial; at least 2, since optimizer state appears at the
+            first ``step()`` and the second step carries it.
+        name: shown in reports.
+
+    Example:
+        >>> model = torch.nn.Linear(16, 4)
+        >>> work = Workload(model, lambda b: (torch.randn(b, 16), torch.randint(0, 4, (b,))))
+    """
+
+    model: ModelOrFactory
+    make_batch: Callable[[int], Any]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss
+    optimizer: str | OptimizerFactory = "adamw"
+    dtype: str | torch.dtype | None = None
+    grad_checkpointing: bool = False
+    steps: int = 2
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.model, torch.nn.Module) or callable(self.model)):
+            raise AutobatchError(
+                f"model must be a torch.nn.Module or a function returning one, but got {type(self.model).__name__}"
+            )
+        if not callable(self.make_batch):
+            raise AutobatchError("make_batch must be a function b -> batch of b samples")
+        if not isinstance(self.steps, int) or self.steps < 2:
+            raise AutobatchError(
+                f"steps must be an integer ≥ 2 (optimizer state appears at the first step), but got steps={self.steps!r}"
+            )
+        resolve_dtype(self.dtype)
+        if isinstance(self.optimizer, str) and self.optimizer.lower() not in OPTIMIZERS:
+            make_optimizer(self.optimizer, [])  # raises the one-line error naming the choices

@@ -1,0 +1,118 @@
+"""The layout stays what docs/architecture.md says: every module it names exists and every
+module exists in it, no module passes 400 lines, each opens with a docstring and has __all__,
+and no stage imports a stage below it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "autobatch"
+DOC = (ROOT / "docs" / "architecture.md").read_text()
+
+# Which top-level parts each part may import (itself always). Lower stages never import higher ones.
+FOUNDATION = {"errors", "units", "modelinfo"}
+ALLOWED = {
+    "errors": set(),
+    "units": {"errors"},
+    "modelinfo": {"errors"},
+    "probing": FOUNDATION,
+    "planning": FOUNDATION,
+    "models": FOUNDATION | {"probing"},
+    "distributed": FOUNDATION | {"probing"},
+    "estimating": FOUNDATION | {"probing", "models"},
+    "configs": FOUNDATION | {"planning"},
+    "checking": FOUNDATION | {"probing", "planning", "configs", "models"},
+    "tuning": FOUNDATION | {"probing", "planning", "models"},
+    "pipeline": FOUNDATION | {"probing", "planning", "models", "distributed", "estimating", "configs", "tuning"},
+}
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    return rel.parts[0]
+
+
+def imported_parts(path: Path) -> set[str]:
+    """Top-level parts of autobatch this module imports, lazily or not."""
+    rel = list(path.relative_to(ROOT).with_suffix("").parts)
+    package = rel[:-1] if rel[-1] != "__init__" else rel[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+            else:
+                target = (node.module or "").split(".")
+            if target[0] == "autobatch" and len(target) > 1:
+                found.add(target[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "autobatch" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+def test_every_module_named_in_the_docs_exists_and_every_module_is_named() -> None:
+    tree = DOC.split("```")[1]
+    named: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    for line in tree.splitlines()[1:]:
+        match = re.match(r"^( *)(\S+)", line)
+        if not match:
+            continue
+        indent, name = len(match.group(1)), match.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([s for _, s in stack] + [name]).replace("//", "/")
+        if name.endswith("/"):
+            stack.append((indent, name.rstrip("/")))
+        else:
+            named.add(path)
+    actual = {
+        str(p.relative_to(ROOT)) for p in modules()
+        if p.name not in ("__init__.py", "__main__.py")
+    }
+    assert named - actual == set(), "docs/architecture.md names modules that do not exist"
+    assert actual - named == set(), "modules missing from docs/architecture.md"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_module_is_small_documented_and_declares_its_names(path: Path) -> None:
+    text = path.read_text()
+    assert len(text.splitlines()) <= 400, f"{path.name} has {len(text.splitlines())} lines; split it by concept"
+    tree = ast.parse(text)
+    assert ast.get_docstring(tree), "open the module with a docstring saying what it owns"
+    if path.name != "__main__.py":
+        assert any(
+            isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+            for n in tree.body
+        ), "declare __all__"
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if p.parent != PACKAGE or p.stem in ALLOWED],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_stage_imports_a_stage_below_it(path: Path) -> None:
+    part = part_of(path)
+    if part in ("cli", "integrations"):
+        assert "cli" not in imported_parts(path) or part == "cli"
+        return
+    allowed = ALLOWED[part] | {part}
+    assert imported_parts(path) <= allowed, f"{part} may import only {sorted(allowed)}"
+
+
+def test_the_library_never_imports_typer() -> None:
+    for path in modules():
+        if part_of(path) == "cli":
+            continue
+        assert "typer" not in path.read_text(), f"{path} mentions typer; keep it in autobatch/cli/"

@@ -19,7 +19,8 @@ import argparse
 import torch
 
 from autobatch import SimulatedBackend, Workload
-from autobatch.distributed.launch import exit_rank, is_launched, probe_distributed, process_group, rank_env, spawn_local
+from autobatch.distributed import is_launched, probe_distributed, process_group, rank_env, spawn_local
+from autobatch.distributed.launch import exit_rank
 from autobatch.probing.probe import make_backend
 
 

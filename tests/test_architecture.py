@@ -116,3 +116,26 @@ def test_the_library_never_imports_typer() -> None:
         if part_of(path) == "cli":
             continue
         assert "typer" not in path.read_text(), f"{path} mentions typer; keep it in autobatch/cli/"
+
+
+def test_every_answer_extends_one_result_base() -> None:
+    """A field added to BatchResult is a field of the probe, the estimate and the agreed result."""
+    import dataclasses
+
+    from autobatch import BatchResult, DistributedProbeResult, Estimate, ProbeResult
+
+    base = {f.name for f in dataclasses.fields(BatchResult)}
+    for cls in (ProbeResult, Estimate, DistributedProbeResult):
+        assert issubclass(cls, BatchResult)
+        assert base <= {f.name for f in dataclasses.fields(cls)}
+        assert cls.to_dict is BatchResult.to_dict, f"{cls.__name__} adds its fields through _details()"
+
+
+def test_the_public_api_is_at_the_top_level() -> None:
+    import autobatch
+
+    for name in ("find", "probe", "solve", "check_setup", "verify_ga", "estimate", "tune", "search_max",
+                 "Trial", "Plan", "ProbeResult", "Workload", "deepspeed_config", "hf_training_args"):
+        assert name in autobatch.__all__ and getattr(autobatch, name) is not None
+    assert callable(autobatch.probe) and callable(autobatch.estimate) and callable(autobatch.find)
+    assert all(hasattr(autobatch, name) for name in autobatch.__all__)

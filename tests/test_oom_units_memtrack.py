@@ -13,7 +13,9 @@ from autobatch import AutobatchError, MemoryTracker, format_bytes, is_oom_error,
         (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
         (RuntimeError("CUDA error: out of memory"), True),
         (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), True),
-        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"), True),
+        # The host's RAM is not the device's memory (the simulated backend reports it apart).
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                      "you tried to allocate 1 bytes. Error code 12 (Cannot allocate memory)"), False),
         (ValueError("Expected more than 1 value per channel when training"), False),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
         (RuntimeError("CUDA out of memory.", "second arg"), False),
@@ -22,6 +24,65 @@ from autobatch import AutobatchError, MemoryTracker, format_bytes, is_oom_error,
 )
 def test_is_oom_error(exc, expected):
     assert is_oom_error(exc) is expected
+
+
+def _raised(make):
+    try:
+        make()
+    except BaseException as exc:  # noqa: BLE001 - the test wants the exception object as raised
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def _wrapped_oom_explicitly():
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+    except torch.OutOfMemoryError as oom:
+        raise RuntimeError("backend='inductor' raised: compiled graph failed") from oom
+
+
+def _wrapped_oom_implicitly():
+    try:
+        raise torch.AcceleratorError("CUDA error: out of memory")
+    except RuntimeError:
+        raise RuntimeError("DDP reducer: error while running the backward hook")
+
+
+def _key_error_while_handling_an_oom():
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+    except torch.OutOfMemoryError:
+        raise KeyError("labels")
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        # torch >= 2.8 raises AcceleratorError (a RuntimeError subclass) from C10_CUDA_CHECK.
+        (lambda: torch.AcceleratorError(
+            "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call"), True),
+        (lambda: torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), False),
+        (lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity"), True),
+        (lambda: torch.cuda.OutOfMemoryError("CUDA out of memory."), True),
+        (lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+        (lambda: RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`"), False),
+        (lambda: RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"), False),
+        # A collective's failure is the ranks' business, whatever its text says.
+        (lambda: torch.distributed.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\n"
+            "Last error:\nCuda failure 'out of memory' CUDA out of memory."), False),
+        (lambda: torch.distributed.DistBackendError("[Rank 1] Watchdog caught collective operation timeout"), False),
+        (lambda: _raised(_wrapped_oom_explicitly), True),
+        (lambda: _raised(_wrapped_oom_implicitly), True),
+        (lambda: _raised(_key_error_while_handling_an_oom), False),
+        (lambda: RuntimeError("out of memory"), False),
+        (lambda: MemoryError(), False),
+        (lambda: ValueError("CUDA out of memory."), False),
+    ],
+)
+def test_is_oom_error_on_real_torch_exceptions(make, expected):
+    assert is_oom_error(make()) is expected
 
 
 def test_parse_and_format_bytes():

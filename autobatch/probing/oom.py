@@ -8,7 +8,9 @@ from __future__ import annotations
 
 __all__ = ["is_oom_error"]
 
-# Messages of allocators that signal OOM as a plain RuntimeError instead of torch.OutOfMemoryError.
+# Messages of allocators and libraries that signal OOM as a RuntimeError (or a subclass such as
+# torch.AcceleratorError, which C10_CUDA_CHECK raises since torch 2.8) instead of OutOfMemoryError.
+# Host RAM is not among them: the CPU running out is not the device running out.
 _OOM_MESSAGES = (
     "CUDA out of memory.",                                 # older torch, CUDA caching allocator
     "CUDA error: out of memory",                           # OOM inside a CUDA kernel launch
@@ -18,22 +20,45 @@ _OOM_MESSAGES = (
     "CUDNN_STATUS_ALLOC_FAILED",
     "MPS backend out of memory",
     "XPU out of memory.",
-    "DefaultCPUAllocator: can't allocate memory",
 )
 
 
 def is_oom_error(exc: BaseException) -> bool:
     """True when ``exc`` means the device ran out of memory, and nothing else.
 
+    A RuntimeError that wraps another exception (``torch.compile``'s and DDP's errors do, as
+    ``__cause__`` or ``__context__``) is an OOM when what it wraps is one.
+
     >>> is_oom_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     True
     >>> is_oom_error(ValueError("Expected more than 1 value per channel when training"))
     False
     """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _is_communication_error(current):
+            return False  # a collective that failed is never "does not fit": the ranks would disagree
+        if _is_oom(current):
+            return True
+        if not isinstance(current, RuntimeError):
+            return False  # only wrappers are followed: a KeyError raised while handling an OOM is a KeyError
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _is_oom(exc: BaseException) -> bool:
     import torch
 
     if isinstance(exc, torch.OutOfMemoryError):
         return True
-    if type(exc) is not RuntimeError or len(exc.args) != 1 or not isinstance(exc.args[0], str):
+    if not isinstance(exc, RuntimeError) or len(exc.args) != 1 or not isinstance(exc.args[0], str):
         return False
     return any(message in exc.args[0] for message in _OOM_MESSAGES)
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(exc, dist.DistError)

@@ -1,7 +1,8 @@
 """The contract of :class:`autobatch.backends.MemoryBackend`, as tests every backend must pass.
 
 A backend's test module subclasses :class:`BackendContract` and provides ``backend`` (a fresh
-backend whose capacity a small MLP step fits in, but a batch of 10**6 does not).
+backend whose capacity a small MLP step at batch 512 fits in). The batch that must not fit is
+derived from the capacity (:func:`failing_batch`), so the suite holds on a GPU of any size.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import torch
 from autobatch import DeviceInfo, MemoryBackend, is_oom_error
 from autobatch.probing.trial import run_trial
 from tests.tiny import mlp, mlp_workload
+
+
+def failing_batch(backend: MemoryBackend) -> int:
+    """A batch of the MLP whose inputs alone (64 fp32 values a sample) exceed the device's capacity."""
+    return backend.capacity() // (64 * 4) + 1
 
 
 class BackendContract:
@@ -64,7 +70,7 @@ class BackendContract:
         work = mlp_workload(model)
         assert run_trial(work, model, backend, 4).fits  # the model is now known to the device
         baseline = backend.allocated_bytes()
-        trial = run_trial(work, model, backend, 10**6)
+        trial = run_trial(work, model, backend, failing_batch(backend))
         assert not trial.fits and trial.error
         assert backend.allocated_bytes() == baseline
         assert run_trial(work, model, backend, 4).fits

@@ -10,10 +10,13 @@ per emulated GPU, and enters two modes for the block:
   such tensors, in that GPU's allocator model, and frees it when the storage dies. A booking the
   model cannot serve raises ``torch.OutOfMemoryError`` with torch's wording, mid-op.
 
+The first matrix product on a GPU books a cuBLAS workspace there that only
+``torch._C._cuda_clearCublasWorkspaces()`` gives back, as on a real GPU.
+
 Tensors stay CPU tensors (``tensor.device`` says ``cpu``): the steps are real, only the device is
 emulated. ``torch.autocast(device_type="cuda")`` runs as CPU autocast. DDP sees CPU parameters
 and runs on gloo; while it is built, what it allocates is booked to the module's GPU (its
-gradient buckets). Not modelled: kernels and their workspaces (cuBLAS, cuDNN), NCCL's real
+gradient buckets). Not modelled: kernels and their other workspaces (cuBLASLt, cuDNN), NCCL's real
 buffers (a flat ``nccl_bytes`` is taken from the GPU on the first collective instead), streams,
 and storages that C++ code makes with no GPU tensor among an op's inputs.
 """
@@ -61,6 +64,8 @@ class EmulatedGpu:
     others_bytes: int = 0              # held by other processes (NVML lists them)
     other_pids: tuple[int, ...] = ()
     nccl_bytes: int = 0                # taken on the first collective (a communicator's buffers)
+    cublas_workspace_bytes: int = 4096 * 1024 * 2 + 16 * 1024 * 8  # torch's default below Hopper
+    workspace: Any = None              # the cuBLAS workspace block, booked on the first matmul
     fraction: float = 1.0
     charged: int = 0                   # bytes taken outside the allocator so far (NCCL)
     rng: torch.Tensor = field(default_factory=lambda: torch.zeros(16, dtype=torch.uint8))
@@ -177,43 +182,60 @@ class _CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _move(self, func, args: list, kwargs: dict) -> Any:
-        src = args[0]
+        src, rest = args[0], list(args[1:])
         if func is torch.Tensor.cpu:
-            device, rest = "cpu", {k: v for k, v in kwargs.items() if k != "memory_format"}
-            args, kwargs = [src], {"device": "cpu", **rest}
+            kwargs = {"device": "cpu", **{k: v for k, v in kwargs.items() if k != "memory_format"}}
         elif func is torch.Tensor.cuda:
-            device = kwargs.pop("device", args[1] if len(args) > 1 else None)
-            device = "cuda" if device is None else (device if not isinstance(device, int) else f"cuda:{device}")
-            args, kwargs = [src], {"device": device, "non_blocking": kwargs.get("non_blocking", False)}
+            device = kwargs.pop("device", rest[0] if rest else None)
+            kwargs = {"device": "cuda" if device is None else device, "non_blocking": kwargs.get("non_blocking", False)}
         else:
-            device = kwargs.get("device")
-            if len(args) > 1 and isinstance(args[1], torch.Tensor):
-                other = args[1]
-                index = self.emu.storage_gpu(other)
-                device = f"cuda:{index}" if index is not None else "cpu"
-                args, kwargs = [src], {"device": device, "dtype": other.dtype, **kwargs}
-            elif len(args) > 1 and (isinstance(args[1], (str, torch.device)) or
-                                    (isinstance(args[1], int) and not isinstance(args[1], bool))):
-                device = args[1]
-                kwargs["device"] = device
-                args = [src, *args[2:]]
+            kwargs = _to_kwargs(rest, kwargs)
+        device = kwargs.get("device")
+        if isinstance(device, int):
+            device = kwargs["device"] = f"cuda:{device}"
         at = self.emu.storage_gpu(src)
         if _is_cuda(device):
-            index = self.emu.index(f"cuda:{device}" if isinstance(device, int) else device)
+            index = self.emu.index(device)
             kwargs["device"] = "cpu"
             if at != index:
-                kwargs["copy"] = True  # another device (the host): a copy, as on a GPU
+                kwargs["copy"] = True  # from another device (the host): a copy, as on a GPU
             with self.emu.target(index):
-                return torch.Tensor.to(*args, **kwargs)
+                return torch.Tensor.to(src, **kwargs)
         if _is_cpu(device) and at is not None:
-            kwargs["copy"] = True  # back to the host: a copy the GPU no longer holds
+            kwargs["copy"] = True  # back to the host: a copy the GPU does not hold
             with self.emu.target("host"):
-                return torch.Tensor.to(*args, **kwargs)
-        return torch.Tensor.to(*args, **kwargs)
+                return torch.Tensor.to(src, **kwargs)
+        return torch.Tensor.to(src, **kwargs)
+
+
+def _to_kwargs(rest: list, kwargs: dict) -> dict:
+    """``Tensor.to``'s three positional forms as keywords: (device, dtype, ...), (dtype, ...), (tensor, ...)."""
+    out = dict(kwargs)
+    if rest and isinstance(rest[0], torch.Tensor):
+        other = rest.pop(0)
+        out.setdefault("device", other.device)
+        out.setdefault("dtype", other.dtype)
+    elif rest and isinstance(rest[0], torch.dtype):
+        out["dtype"] = rest.pop(0)
+    elif rest and (rest[0] is None or isinstance(rest[0], (str, torch.device, int)) and not isinstance(rest[0], bool)):
+        out["device"] = rest.pop(0)
+        if rest and (rest[0] is None or isinstance(rest[0], torch.dtype)):
+            out["dtype"] = rest.pop(0)
+    for name in ("non_blocking", "copy"):
+        if rest:
+            out[name] = rest.pop(0)
+    return {k: v for k, v in out.items() if not (k in ("device", "dtype") and v is None)}
+
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "linear"}
 
 
 class _Booking(TorchDispatchMode):
-    """Books each new storage on the GPU it belongs to: the call's target, else its inputs' GPU."""
+    """Books each new storage on the GPU it belongs to: the call's target, else its inputs' GPU.
+
+    The first matrix product on a GPU also books cuBLAS's workspace there, which stays allocated
+    (``empty_cache`` cannot free it) until ``torch._C._cuda_clearCublasWorkspaces()``.
+    """
 
     def __init__(self, emu: EmulatedCuda):
         super().__init__()
@@ -225,6 +247,10 @@ class _Booking(TorchDispatchMode):
             inputs, _ = tree_flatten((args, kwargs))
             target = next((g for g in (self.emu.storage_gpu(t) for t in inputs if isinstance(t, torch.Tensor))
                            if g is not None), None)
+        if isinstance(target, int) and func.__name__.split(".")[0] in _MATMULS:
+            gpu = self.emu.gpus[target]
+            if gpu.workspace is None and gpu.cublas_workspace_bytes:
+                gpu.workspace = gpu.allocator.malloc(gpu.cublas_workspace_bytes)
         out = func(*args, **(kwargs or {}))
         if isinstance(target, int):
             for item in tree_flatten(out)[0]:
@@ -308,6 +334,13 @@ def _functions(emu: EmulatedCuda) -> dict[str, Any]:
     }
 
 
+def _clear_cublas_workspaces(emu: EmulatedCuda) -> None:
+    for gpu in emu.gpus:
+        if gpu.workspace is not None:
+            gpu.allocator.free(gpu.workspace)
+            gpu.workspace = None
+
+
 class _CpuAutocast(torch.autocast):
     def __init__(self, device_type: str, *args: Any, **kwargs: Any):
         super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
@@ -330,6 +363,7 @@ def emulated(gpus: list[EmulatedGpu] | int = 1, *, nvml_pid: int | None = None,
         for name, fn in _functions(emu).items():
             patch.setattr(torch.cuda, name, fn)
         patch.setattr(torch, "autocast", _CpuAutocast)
+        patch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: _clear_cublas_workspaces(emu), raising=False)
         patch.setitem(sys.modules, "pynvml", _fake_nvml(emu))
         _charge_communicators(emu, patch)
         _book_ddp_construction(emu, patch)

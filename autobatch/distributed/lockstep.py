@@ -42,7 +42,7 @@ from .result import DistributedProbeResult, RankFailedError, RankReport
 __all__ = ["probe_distributed"]
 
 # The figures each rank shares after a trial, in this order (float64: exact for bytes below 8 PiB).
-_FIELDS = ("fits", "peak", "reserved", "forward_backward", "optimizer", "resident", "seconds")
+_FIELDS = ("fits", "peak", "reserved", "forward_backward", "optimizer", "resident", "seconds", "retries")
 
 
 # --- agreement ------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def _share_trial(trial: Trial | None) -> list[Trial | None]:
     else:
         row = [float(trial.fits), trial.peak_bytes, trial.reserved_bytes, trial.forward_backward_bytes,
                trial.optimizer_bytes, -1.0 if trial.resident_bytes is None else trial.resident_bytes,
-               -1.0 if trial.seconds_per_step is None else trial.seconds_per_step]
+               -1.0 if trial.seconds_per_step is None else trial.seconds_per_step, trial.alloc_retries]
     mine = torch.tensor(row, dtype=torch.float64, device=_comm_device())
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     _collective("sharing a trial", lambda: dist.all_gather(rows, mine))
@@ -101,12 +101,12 @@ def _share_trial(trial: Trial | None) -> list[Trial | None]:
 def _row_to_trial(batch: int, row: list[float]) -> Trial | None:
     if row[0] < 0:
         return None
-    fits, peak, reserved, fb, opt, resident, seconds = row
+    fits, peak, reserved, fb, opt, resident, seconds, retries = row
     return Trial(
         batch=batch, fits=bool(fits), peak_bytes=int(peak), reserved_bytes=int(reserved),
         forward_backward_bytes=int(fb), optimizer_bytes=int(opt),
         resident_bytes=None if resident < 0 else int(resident), seconds_per_step=None if seconds < 0 else seconds,
-        error=None if fits else "out of memory",
+        error=None if fits else "out of memory", alloc_retries=int(retries),
     )
 
 
@@ -124,6 +124,7 @@ def _agreed(batch: int, trials: list[Trial]) -> Trial:
         # The slowest rank sets the pace of a synchronous step.
         seconds_per_step=max(t.seconds_per_step or 0.0 for t in trials) if fits else None,
         error=None if fits else "out of memory on rank " + ", ".join(map(str, failed)),
+        alloc_retries=max(t.alloc_retries for t in trials),
     )
 
 

@@ -6,7 +6,9 @@ again when the storage dies. Views share their base's storage and count once. Th
 live tensor memory and its peak, which the simulated backend compares with a budget and the
 estimator runs under fake tensors (shapes only, no real memory).
 
-What it cannot see: memory a kernel allocates for itself (workspaces) and allocator rounding.
+What it cannot see: memory a kernel allocates for itself (workspaces). Allocator rounding and
+caching it sees only when given a :class:`~autobatch.probing.backends.caching_allocator.CachingAllocator`
+to book each storage in.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,6 +31,8 @@ class MemoryTracker(TorchDispatchMode):
     Args:
         budget: bytes; when live memory would exceed it, the op raises ``torch.OutOfMemoryError``
             with the CUDA allocator's wording, so code that handles real OOMs handles this one.
+        allocator: a caching-allocator model to book every storage in (it raises the OOM then);
+            ``current_bytes``/``peak_bytes`` stay exact tensor bytes either way.
 
     Example:
         >>> tracker = MemoryTracker()
@@ -37,12 +42,14 @@ class MemoryTracker(TorchDispatchMode):
         4096
     """
 
-    def __init__(self, budget: int | None = None):
+    def __init__(self, budget: int | None = None, allocator: Any = None):
         super().__init__()
         self.budget = budget
+        self.allocator = allocator
         self.current_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (token, nbytes)
+        self._blocks: dict[int, Any] = {}  # token -> the allocator's block
         self._tokens = itertools.count()
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -72,10 +79,15 @@ class MemoryTracker(TorchDispatchMode):
             token, old = known
             if nbytes == old:
                 return
-            self._live[key] = (token, nbytes)  # resize_ grew or shrank the storage in place
+            if self.allocator is not None:  # resize_ grew or shrank the storage in place
+                self.allocator.free(self._blocks.pop(token))
+                self._blocks[token] = self.allocator.malloc(nbytes, force=not check_budget)
+            self._live[key] = (token, nbytes)
             self.current_bytes += nbytes - old
         else:
             token = next(self._tokens)
+            if self.allocator is not None:  # may raise the OOM, before anything is recorded
+                self._blocks[token] = self.allocator.malloc(nbytes, force=not check_budget)
             self._live[key] = (token, nbytes)
             self.current_bytes += nbytes
             weakref.finalize(storage, self._release, key, token)
@@ -91,3 +103,5 @@ class MemoryTracker(TorchDispatchMode):
         if known is not None and known[0] == token:
             del self._live[key]
             self.current_bytes -= known[1]
+            if self.allocator is not None:
+                self.allocator.free(self._blocks.pop(token, None))

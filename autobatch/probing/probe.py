@@ -84,13 +84,17 @@ def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: in
     Measured peaks bound the answer from both sides; between them the per-phase lines decide.
     Shared by the probe, the lockstep probe across ranks and the estimate.
     """
-    fits = {t.batch: t.reserved_bytes for t in trials if t.fits}
+    # A batch that fit only after the allocator flushed its cache and retried is no safe batch.
+    fits = {t.batch: t.reserved_bytes for t in trials if t.fits and not t.alloc_retries}
+    retried = min((t.batch for t in trials if t.fits and t.alloc_retries), default=max_batch + 1)
     floor_ = max((b for b, peak in fits.items() if peak <= limit), default=0)
-    ceiling = min((b for b, peak in fits.items() if peak > limit), default=max_batch + 1) - 1
+    ceiling = min(min((b for b, peak in fits.items() if peak > limit), default=max_batch + 1), retried) - 1
     phases = phase_points(trials)
     growing = fit_line(phases[0])
     lines = [line for line in map(fit_line, phases) if line is not None]
-    predicted = predict_batch(phases, None, limit) if growing is not None else None
+    # The phase lines are allocated bytes; what the allocator held on top of them was seen too.
+    cache = max((t.reserved_bytes - t.peak_bytes for t in trials if t.fits), default=0)
+    predicted = predict_batch(phases, None, limit - cache) if growing is not None else None
     safe = floor_ if predicted is None else max(floor_, min(ceiling, predicted))
     safe = min(safe, max_batch)
     if safe in fits:
@@ -98,7 +102,7 @@ def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: in
     elif safe == 0 or not lines:
         peak, measured = None, False
     else:
-        peak, measured = int(max(line[0] + line[1] * safe for line in lines)), False
+        peak, measured = int(max(line[0] + line[1] * safe for line in lines)) + cache, False
     return MemorySummary(safe, peak, measured, growing[1] if growing else None, growing[0] if growing else None)
 
 

@@ -24,12 +24,16 @@ class Trial:
     """The record of one trial. Bytes are absolute device figures (the model included).
 
     ``peak_bytes`` is the allocator's peak of live tensors, ``reserved_bytes`` what it held
-    from the device (the figure that meets the capacity). The reserved peak is also kept per
+    from the device (the figure that meets the capacity). The allocated peak is also kept per
     phase, because the two grow differently: ``forward_backward_bytes`` grows with the batch
     (activations), ``optimizer_bytes`` hardly (gradients and optimizer state), and at small
-    batches the latter can set the whole peak. For a trial that ran out of memory the figures
-    are those reached before it failed. ``resident_bytes`` is what stays allocated between
-    steps (parameters and optimizer state), ``None`` when the trial failed.
+    batches the latter can set the whole peak. Per phase it is the allocated peak, not the
+    reserved one: resetting the peaks between phases restarts the reserved peak from what the
+    allocator still caches, so the optimizer phase's reserved figure would carry the forward
+    and backward's cache. For a trial that ran out of memory the figures are those reached
+    before it failed. ``resident_bytes`` is what stays allocated between steps (parameters and
+    optimizer state), ``None`` when the trial failed. ``alloc_retries`` counts the requests the
+    allocator served only after flushing its cache: such a trial fits, but only just.
     """
 
     batch: int
@@ -41,6 +45,7 @@ class Trial:
     resident_bytes: int | None = None
     seconds_per_step: float | None = None
     error: str | None = None
+    alloc_retries: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +92,7 @@ class _Peaks:
         peak = self.backend.peak()
         self.allocated = max(self.allocated, peak.allocated)
         self.reserved = max(self.reserved, peak.reserved)
-        self.phase[phase] = max(self.phase[phase], peak.reserved)
+        self.phase[phase] = max(self.phase[phase], peak.allocated)
         self.backend.reset_peak()
 
 
@@ -103,6 +108,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
     times: list[float] = []
     resident_bytes = error = None
     backend.release()
+    retries_before = backend.alloc_retries()
     with backend.track(resident):
         peaks = _Peaks(backend)
         optimizer = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
@@ -142,4 +148,5 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
         # The first step allocates optimizer state; the steady state is what training sees.
         seconds_per_step=statistics.median(times[1:]) if fits else None,
         error=error,
+        alloc_retries=backend.alloc_retries() - retries_before,
     )

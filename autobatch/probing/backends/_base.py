@@ -58,6 +58,10 @@ class MemoryBackend(ABC):
       unreferenced, ``allocated_bytes()`` is back at the baseline before the trial.
     * ``synchronize()`` waits until queued kernels have finished, so timings are honest.
     * ``info()`` describes the device (:class:`DeviceInfo`).
+    * ``alloc_retries()`` counts the times the allocator had to flush its cache and retry a
+      request (0 for a backend without a cache); a trial that needed it fits only just.
+    * ``remeasure()`` reads the capacity again, once, before probing starts: after the process
+      group's first collective, whose buffers (NCCL's) take memory outside the allocator.
     """
 
     device: torch.device
@@ -83,6 +87,13 @@ class MemoryBackend(ABC):
 
     def release(self) -> None:
         """Default: nothing cached."""
+
+    def alloc_retries(self) -> int:
+        """Default: no cache to flush, so never."""
+        return 0
+
+    def remeasure(self) -> None:
+        """Default: the capacity is fixed."""
 
     def synchronize(self) -> None:
         """Default: the device runs synchronously."""

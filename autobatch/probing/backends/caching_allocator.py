@@ -109,8 +109,11 @@ class CachingAllocator:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def malloc(self, nbytes: int) -> _Block | None:
-        """Book ``nbytes``; the handle goes back to :meth:`free`. Zero bytes take no block."""
+    def malloc(self, nbytes: int, *, force: bool = False) -> _Block | None:
+        """Book ``nbytes``; the handle goes back to :meth:`free`. Zero bytes take no block.
+
+        ``force`` books it even where the device has no room (tensors that exist already).
+        """
         if nbytes <= 0:
             return None
         size = round_size(nbytes)
@@ -118,7 +121,7 @@ class CachingAllocator:
         block = self._free_block(size, small)
         if block is None:
             wanted = allocation_size(size)
-            segment = self._new_segment(wanted, small)
+            segment = self._new_segment(wanted, small, force=force)
             if segment is None:
                 self.release_cached()
                 self.num_alloc_retries += 1
@@ -199,10 +202,10 @@ class CachingAllocator:
                     best = block
         return best
 
-    def _new_segment(self, size: int, small: bool) -> _Segment | None:
-        if self.limit is not None and self.reserved + size > self.limit:
+    def _new_segment(self, size: int, small: bool, force: bool = False) -> _Segment | None:
+        if not force and self.limit is not None and self.reserved + size > self.limit:
             return None
-        if size > self._device_free():
+        if not force and size > self._device_free():
             return None
         segment = _Segment(next(self._addresses), size, small)
         segment.blocks.append(_Block(segment, segment.address, size))

@@ -12,18 +12,20 @@ import torch
 from ...errors import AutobatchError
 from ._base import DeviceInfo, MemoryBackend, Peak
 
-__all__ = ["CudaBackend", "nvml_usage"]
+__all__ = ["CudaBackend", "nvml_usage", "resolve_cuda_device"]
 
 
 class CudaBackend(MemoryBackend):
     """Probes on ``cuda:index``.
 
     The capacity is what this process can still take: memory free on the device when the
-    backend is made plus what this process's allocator already holds. Other processes' usage
-    comes from NVML (pynvml) when it is available.
+    backend is made (or :meth:`remeasure` d) plus what this process's allocator already holds,
+    within its per-process memory fraction. Other processes' usage comes from NVML (pynvml)
+    when it is available.
 
     Args:
-        device: a CUDA device index or ``torch.device``; default the current device.
+        device: a CUDA device index, name or ``torch.device``; without an index, this rank's GPU
+            (see :func:`resolve_cuda_device`).
     """
 
     def __init__(self, device: int | str | torch.device | None = None):
@@ -32,17 +34,20 @@ class CudaBackend(MemoryBackend):
                 "the CUDA backend needs a CUDA GPU, but torch.cuda.is_available() is False; "
                 "probe on a simulated budget instead (--device cpu --memory 8GiB)"
             )
-        if device is None:
-            device = torch.cuda.current_device()
-        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_cuda_device(device)
+        self._name = torch.cuda.get_device_name(self.device)
+        self.remeasure()
+
+    def remeasure(self) -> None:
+        """Read the capacity now: free memory plus this process's cache, within its memory fraction."""
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         self._total = total
-        self._capacity = free + torch.cuda.memory_reserved(self.device)
-        self._name = torch.cuda.get_device_name(self.device)
+        capacity = free + torch.cuda.memory_reserved(self.device)
+        # set_per_process_memory_fraction caps what the allocator may reserve, whatever is free.
+        fraction = torch.cuda.get_per_process_memory_fraction(self.device)
+        self._capacity = min(capacity, int(fraction * total))
 
     def capacity(self) -> int:
         return self._capacity
@@ -78,14 +83,60 @@ class CudaBackend(MemoryBackend):
 
     def release(self) -> None:
         gc.collect()
+        # cuBLAS keeps a workspace per handle and stream, allocated from the caching allocator,
+        # that empty_cache cannot free; torch offers a call that drops them (they come back on
+        # the next matmul, so every trial pays for its own).
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
+
+    def alloc_retries(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
 
+def resolve_cuda_device(device: int | str | torch.device | None = None) -> torch.device:
+    """The CUDA device a name means here: ``"cuda"`` without an index is this rank's GPU.
+
+    Under a launcher (``LOCAL_RANK`` set) an index-less device is ``cuda:<local rank>``, or
+    ``cuda:0`` when the launcher left each process one visible GPU; never simply the current
+    device, which is GPU 0 on every rank until someone calls ``set_device``. Without a launcher
+    it is the current device.
+
+    Example:
+        >>> resolve_cuda_device("cuda:1")
+        device(type='cuda', index=1)
+    """
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    resolved = torch.device("cuda" if device is None else device)
+    if resolved.type != "cuda":
+        raise AutobatchError(f"the CUDA backend needs a cuda device, but got {str(resolved)!r}")
+    if resolved.index is not None:
+        return resolved
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None or not local_rank.isdigit():
+        return torch.device("cuda", torch.cuda.current_device())
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if int(local_rank) >= visible:
+        raise AutobatchError(
+            f"LOCAL_RANK={local_rank} but only {visible} GPUs are visible to this process; start at most "
+            f"{visible} processes per node, or name the device (--device cuda:N)"
+        )
+    return torch.device("cuda", int(local_rank))
+
+
 def nvml_usage(index: int | None) -> int | None:
-    """Bytes that other processes hold on CUDA device ``index``, or ``None`` without NVML."""
+    """Bytes that other processes hold on CUDA device ``index``, or ``None`` when unknown.
+
+    Unknown without NVML, and also when NVML does not list this process: inside a container NVML
+    reports the host's PIDs, so ours cannot be told apart from the others'.
+    """
     try:
         import pynvml
     except ImportError:
@@ -97,11 +148,10 @@ def nvml_usage(index: int | None) -> int | None:
             bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
             handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
             me = os.getpid()
-            used = 0
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid != me and proc.usedGpuMemory:
-                    used += proc.usedGpuMemory
-            return used
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            if all(proc.pid != me for proc in procs):
+                return None  # another PID namespace (a container): which one is us is unknown
+            return sum(proc.usedGpuMemory or 0 for proc in procs if proc.pid != me)
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # NVML missing on the host, no permission, MIG: the figure is optional

@@ -9,6 +9,8 @@ import torch
 
 from autobatch import AutobatchError, CudaBackend, probe
 from autobatch.backends.cuda import nvml_usage
+from autobatch.distributed import probe_distributed, process_group
+from autobatch.lockstep import _comm_device
 from autobatch.preserve import borrowed_model
 from autobatch.probe import make_backend
 from autobatch.trial import run_trial
@@ -98,3 +100,28 @@ def test_the_optimizer_phase_figure_leaves_out_the_forward_backward_cache(emulat
     # Parameters, gradients and optimizer state: the same at any batch, whatever the cache holds.
     assert large.optimizer_bytes == small.optimizer_bytes
     assert large.reserved_bytes >= large.peak_bytes >= large.optimizer_bytes
+
+
+def _no_launcher(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_capacity_is_read_after_the_communicator_has_taken_its_buffers(monkeypatch):
+    _no_launcher(monkeypatch)
+    gpu = EmulatedGpu(0, total_bytes=256 * MIB, context_bytes=0, nccl_bytes=96 * MIB)
+    with emulated([gpu], patch=monkeypatch):
+        backend = CudaBackend()
+        assert backend.capacity() == 256 * MIB  # no collective has run yet
+        with process_group("gloo", timeout_s=30):
+            result = probe_distributed(mlp_workload(), backend, max_batch=8)
+    assert result.capacity_bytes == 160 * MIB
+    assert result.ranks[0].device.capacity_bytes == 160 * MIB
+
+
+def test_the_agreement_runs_on_the_probed_gpu_not_the_current_one(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    with emulated(4, patch=monkeypatch):
+        backend = CudaBackend("cuda:3")
+        assert torch.cuda.current_device() == 0
+        assert _comm_device(backend) == torch.device("cuda", 3)

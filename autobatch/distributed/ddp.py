@@ -46,7 +46,9 @@ def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend) -> Iterator[t
         >>> # with ddp_for_trials(lent, backend) as wrapped:
         >>> #     trial = run_trial(workload, wrapped, backend, 8)
     """
-    device_ids = [backend.device.index] if backend.device.type == "cuda" else None
+    # Where the parameters really are (on a GPU, backend.device): DDP checks device_ids against them.
+    where = next((p.device for p in model.parameters()), backend.device)
+    device_ids = [where.index] if where.type == "cuda" else None
     resident = [p for p in model.parameters()] + [b for b in model.buffers()]
     with backend.track(resident):
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **_quiet_buffer_kwargs())

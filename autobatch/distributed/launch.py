@@ -13,10 +13,13 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import socket
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from .. import errors
 from ..errors import AutobatchError, ConfigError
 from .result import RankFailedError
 
@@ -41,9 +45,13 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
 ]
 
-# Every collective gives up after this long. Trials take seconds; setup (loading a model on every
-# rank) can take minutes, which is what the margin is for.
+# Every agreement between ranks gives up after this long. Trials take seconds; setup (loading a
+# model on every rank) can take minutes, which is what the margin is for.
 DEFAULT_TIMEOUT_S = 300.0
+# The process group's own timeout is longer than the agreement's, so that the agreement raises
+# one clear error before NCCL's watchdog aborts the process.
+_WATCHDOG_MARGIN_S = 60.0
+_DESTROY_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,8 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
     """Join the launcher's process group for the block (or use the one already joined).
 
     A group this function joins it also leaves. Every collective in it fails after
-    ``timeout_s`` instead of waiting forever for a rank that died.
+    ``timeout_s`` (plus a minute's margin, so that :func:`probe_distributed`'s own wait, of
+    ``timeout_s``, ends first with a clear error) instead of waiting forever for a rank that died.
 
     Args:
         backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available.
@@ -151,20 +160,32 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     dist.init_process_group(
-        backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s)
+        backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s + _WATCHDOG_MARGIN_S),
     )
+    failed = True
     try:
         yield env
+        failed = False
     finally:
         # DDP's reducer sits in reference cycles; collect it, and let every rank get here, before
         # the group is torn down, or a rank can abort at exit with "terminate called without an
-        # active exception". A failed barrier (a rank already gone) must not hide the real error.
+        # active exception". A failed barrier (a rank already gone) must not hide the real error,
+        # and a rank that is leaving with an error does not wait: another rank may be hung, and the
+        # barrier would hold the error back for the group's whole timeout.
         gc.collect()
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        dist.destroy_process_group()
+        if not failed:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            dist.destroy_process_group()
+        else:
+            # Destroying a group waits for its pending collectives, which a hung rank never
+            # completes: give it a few seconds, then let the error through.
+            leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
+            leaving.start()
+            leaving.join(_DESTROY_WAIT_S)
 
 
 def exit_rank(code: int = 0) -> NoReturn:
@@ -197,12 +218,15 @@ def _worker(
     try:
         with process_group(backend, timeout_s=timeout_s):
             result = fn(*args)
-    except BaseException as exc:
+        if local_rank == 0:
+            Path(out, "result").write_bytes(pickle.dumps(result))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent through the file
         Path(out, f"error-{local_rank}").write_bytes(
             pickle.dumps((type(exc).__name__, str(exc), isinstance(exc, AutobatchError))))
-        raise
-    if local_rank == 0:
-        Path(out, "result").write_bytes(pickle.dumps(result))
+        traceback.print_exc()
+        exit_rank(1)
+    # Like a launched rank: skip torch's native teardown, which can abort a finished process.
+    exit_rank(0)
 
 
 def spawn_local(
@@ -231,13 +255,17 @@ def spawn_local(
             ``2 * timeout_s`` plus a minute for start-up, so it can never hang.
 
     Raises:
-        AutobatchError: a worker failed; the message names the rank and its error.
+        AutobatchError: a worker failed or was killed; the message names the rank and its error.
+            A worker's own :class:`~autobatch.errors.AutobatchError` (e.g. ``NoBatchFitsError``)
+            is raised as that class.
 
     Example:
         >>> # def job(): return probe_distributed(my_workload(), SimulatedBackend("1GiB")).max_batch
         >>> # spawn_local(job, nprocs=2, backend="gloo")
     """
     import torch.multiprocessing as mp
+    # Not re-exported by torch.multiprocessing, which exports only its two subclasses.
+    from torch.multiprocessing.spawn import ProcessException
 
     nprocs = torch.cuda.device_count() if nprocs is None else nprocs
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -258,7 +286,7 @@ def spawn_local(
                         f"the {nprocs} local workers did not finish within {2 * timeout_s + 60:.0f} s; "
                         "they were stopped — raise timeout_s for very slow models"
                     )
-        except mp.ProcessException as exc:
+        except ProcessException as exc:
             raise _worker_error(Path(out), exc) from exc
         finally:
             for process in context.processes:  # only the workers started above
@@ -269,12 +297,26 @@ def spawn_local(
 
 
 def _worker_error(out: Path, exc: BaseException) -> AutobatchError:
-    errors = {}
+    errors_ = {}
     for path in sorted(out.glob("error-*")):
-        errors[int(path.name.split("-")[1])] = pickle.loads(path.read_bytes())
-    if not errors:
-        return AutobatchError(f"a local worker died without an error message: {str(exc).splitlines()[0]}")
+        errors_[int(path.name.split("-")[1])] = pickle.loads(path.read_bytes())
+    if not errors_:
+        rank = getattr(exc, "error_index", None)
+        signal = getattr(exc, "signal_name", None)
+        how = f"was killed by {signal}" if signal else f"exited with code {getattr(exc, 'exit_code', '?')}"
+        return AutobatchError(
+            f"rank {rank} {how} before it could report an error (out of host memory? the system log says); "
+            "every other worker was stopped"
+        )
     # The rank that failed first is the one the others stopped for (they raise RankFailedError).
     rank, (name, message, ours) = next(
-        ((r, e) for r, e in errors.items() if e[0] != RankFailedError.__name__), next(iter(errors.items())))
-    return AutobatchError(message if ours else f"rank {rank} failed with {name}: {message.splitlines()[0] if message else ''}")
+        ((r, e) for r, e in errors_.items() if e[0] != RankFailedError.__name__), next(iter(errors_.items())))
+    first_line = message.splitlines()[0] if message else ""
+    if ours:
+        # An agreed error names its rank already ("rank 1: ..."), on every rank.
+        text = first_line if re.match(r"rank \d+\b", first_line) else f"rank {rank}: {first_line}"
+        kind = getattr(errors, name, None)
+        if isinstance(kind, type) and issubclass(kind, AutobatchError) and kind.__init__ is Exception.__init__:
+            return kind(text)  # the worker's own class, e.g. NoBatchFitsError (one that takes only a message)
+        return AutobatchError(text)
+    return AutobatchError(f"rank {rank} failed with {name}: {first_line}")

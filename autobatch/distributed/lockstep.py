@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,15 +32,19 @@ from ..probing.probe import (
     phase_points,
     resolve_headroom,
     summarise,
+    weights_error,
 )
 from ..probing.search import predict_batch, search_max
 from ..probing.trial import Trial, run_trial
 from ..probing.workload import Workload
 from ..units import format_bytes
 from .ddp import ddp_for_trials
+from .launch import DEFAULT_TIMEOUT_S
 from .result import DistributedProbeResult, RankFailedError, RankReport
 
 __all__ = ["probe_distributed"]
+
+_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
 
 # The figures each rank shares after a trial, in this order (float64: exact for bytes below 8 PiB).
 _FIELDS = ("fits", "peak", "reserved", "forward_backward", "optimizer", "resident", "seconds", "retries")
@@ -48,43 +53,82 @@ _FIELDS = ("fits", "peak", "reserved", "forward_backward", "optimizer", "residen
 # --- agreement ------------------------------------------------------------------------------
 
 
-def _comm_device() -> torch.device:
-    # NCCL only moves CUDA tensors; gloo only CPU ones.
+@dataclass(frozen=True)
+class _Comm:
+    """Where the agreement's tensors live and how long any rank may keep the others waiting."""
+
+    device: torch.device
+    timeout_s: float
+
+
+def _comm_device(backend: MemoryBackend | None = None) -> torch.device:
+    # NCCL only moves CUDA tensors, and must move them on the GPU this rank probes (the current
+    # device may still be GPU 0 on every rank); gloo only CPU ones.
     if dist.get_backend() == "nccl":
+        if backend is not None and backend.device.type == "cuda":
+            return backend.device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _collective(what: str, fn: Callable[[], Any]) -> Any:
+def _collective(comm: _Comm, what: str, start: Callable[[], Any], after: Callable[[], Any] = lambda: None) -> Any:
+    """Run one collective to completion within ``comm.timeout_s``, and ``after`` (reading the result).
+
+    NCCL's collectives return at once and fail later, at the next synchronisation or as a
+    watchdog abort; waiting on the work with a timeout and synchronising here makes any failure
+    one clear error, raised at this step, in time.
+    """
     try:
-        return fn()
-    except RuntimeError as exc:  # DistBackendError and gloo/NCCL timeouts are RuntimeErrors
+        work = start()
+        if work is not None:
+            # Poll rather than wait(timeout): gloo's wait ignores a timeout shorter than the group's.
+            deadline, pause = time.monotonic() + comm.timeout_s, 0.0005
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the collective did not complete within {comm.timeout_s:.0f} s")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+            work.wait()  # the collective's own error, if it failed
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        return after()
+    except RuntimeError as exc:  # DistBackendError, gloo/NCCL timeouts and aborts are RuntimeErrors
         raise AutobatchError(
-            f"lost contact with the other ranks while {what}: {str(exc).splitlines()[0][:200]}; "
+            f"lost contact with the other ranks while {what} (no answer within {comm.timeout_s:.0f} s: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
             "a rank crashed, hung or was not started — read every rank's log"
         ) from exc
 
 
-def _agree_on_errors(exc: BaseException | None, stage: str) -> None:
-    """Collective: if any rank failed, every rank raises (the failing rank its own error)."""
-    flag = torch.tensor([0.0 if exc is None else 1.0], device=_comm_device())
-    _collective(stage, lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))
-    if flag.item() == 0:
+def _agree_on_errors(comm: _Comm, exc: BaseException | None, stage: str) -> None:
+    """Collective: if any rank failed, every rank raises.
+
+    The failing rank raises its own error, the others :class:`RankFailedError` naming it; when
+    the error is that nothing fits (:class:`NoBatchFitsError`), every rank raises that same
+    error, word for word.
+    """
+    flag = torch.tensor([0.0 if exc is None else 1.0], device=comm.device)
+    failed = _collective(comm, stage, lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True),
+                         lambda: flag.item())
+    if failed == 0:
         return
-    mine = None if exc is None else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    mine = None if exc is None else (
+        type(exc).__name__, str(exc).splitlines()[0][:500] if str(exc) else "", isinstance(exc, NoBatchFitsError))
     messages: list[Any] = [None] * dist.get_world_size()
-    _collective(stage, lambda: dist.all_gather_object(messages, mine))
+    _collective(comm, stage, lambda: dist.all_gather_object(messages, mine))
+    rank, (name, message, no_fit) = next((r, m) for r, m in enumerate(messages) if m is not None)
+    if no_fit:
+        raise NoBatchFitsError(f"rank {rank}: {message}") from exc
     if exc is not None:
         raise exc
-    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
     raise RankFailedError(
-        f"rank {rank} failed while {stage} with {message}; every rank stopped with it "
+        f"rank {rank} failed while {stage} with {name}: {message}; every rank stopped with it "
         f"(the traceback is in rank {rank}'s log)",
         rank=rank,
     )
 
 
-def _share_trial(trial: Trial | None) -> list[Trial | None]:
+def _share_trial(comm: _Comm, trial: Trial | None) -> list[Trial | None]:
     """Collective: every rank's trial figures (``None`` for a rank whose trial raised)."""
     if trial is None:
         row = [-1.0] * len(_FIELDS)
@@ -92,10 +136,10 @@ def _share_trial(trial: Trial | None) -> list[Trial | None]:
         row = [float(trial.fits), trial.peak_bytes, trial.reserved_bytes, trial.forward_backward_bytes,
                trial.optimizer_bytes, -1.0 if trial.resident_bytes is None else trial.resident_bytes,
                -1.0 if trial.seconds_per_step is None else trial.seconds_per_step, trial.alloc_retries]
-    mine = torch.tensor(row, dtype=torch.float64, device=_comm_device())
+    mine = torch.tensor(row, dtype=torch.float64, device=comm.device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    _collective("sharing a trial", lambda: dist.all_gather(rows, mine))
-    return [_row_to_trial(trial.batch if trial else 0, r.tolist()) for r in rows]
+    return _collective(comm, "sharing a trial", lambda: dist.all_gather(rows, mine, async_op=True),
+                       lambda: [_row_to_trial(trial.batch if trial else 0, r.tolist()) for r in rows])
 
 
 def _row_to_trial(batch: int, row: list[float]) -> Trial | None:
@@ -128,6 +172,15 @@ def _agreed(batch: int, trials: list[Trial]) -> Trial:
     )
 
 
+def _warm_up(comm: _Comm, model: torch.nn.Module) -> None:
+    """Collective: one all-reduce the size of a DDP gradient bucket (at most 25 MiB) on the comm device."""
+    grads = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    size = max(1, min(grads, _BUCKET_BYTES // 4)) if comm.device.type == "cuda" else 1
+    bucket = torch.zeros(size, dtype=torch.float32, device=comm.device)
+    _collective(comm, "setting up the communicator", lambda: dist.all_reduce(bucket, async_op=True))
+    del bucket
+
+
 # --- the probe ------------------------------------------------------------------------------
 
 
@@ -154,6 +207,7 @@ def probe_distributed(
     wrap: str | None = "ddp",
     local_rank: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    timeout_s: float | None = None,
 ) -> DistributedProbeResult:
     """Probe the largest per-rank batch on every rank of the process group, in lockstep.
 
@@ -163,7 +217,7 @@ def probe_distributed(
 
     Args:
         workload: what to train; the same on every rank.
-        backend: this rank's device; default ``cuda:<local rank>``.
+        backend: this rank's device; default this rank's GPU (``cuda:<local rank>``).
         max_batch: an explicit cap on the per-rank batch.
         min_batch: the smallest batch allowed; default 2 for models with BatchNorm, else 1.
         headroom: kept free for ``safe_batch``, of the smallest capacity: a fraction or a size.
@@ -171,6 +225,9 @@ def probe_distributed(
             one rank (its gradient buckets cost memory, as in training); ``None`` trains the bare model.
         local_rank: for the report; default ``LOCAL_RANK`` from the environment.
         on_trial: called with each agreed trial (on every rank; print on rank 0 only).
+        timeout_s: seconds a rank waits for the others at each agreement before it stops with
+            one clear error (whatever the process group's own timeout); default
+            :data:`DEFAULT_TIMEOUT_S`.
 
     Example:
         >>> # torchrun --nproc-per-node 2 script.py, with in script.py:
@@ -193,23 +250,29 @@ def probe_distributed(
     use_ddp = wrap == "ddp" and world > 1
 
     model = error = None
-    capacity, needed = 0, min_batch or 1
+    needed = min_batch or 1
     try:
         if backend is None:
-            backend = make_backend(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-        capacity = backend.capacity()
+            backend = make_backend("cuda" if torch.cuda.is_available() else "cpu")  # cuda: this rank's GPU
         model = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
         if not isinstance(model, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
         needed = min_batch if min_batch is not None else min_batch_for(model)
     except Exception as exc:
         error = exc
-    _agree_on_errors(error, "setting up")  # past this line every rank has a backend and a model
+    comm = _Comm(_comm_device(backend), DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    _agree_on_errors(comm, error, "setting up")  # past this line every rank has a backend and a model
 
+    # Training all-reduces gradient buckets; the trials (under no_sync) never do. The first such
+    # collective sets up NCCL's communicator, whose buffers take memory outside the allocator:
+    # run one now, then read the capacity, so the probe leaves room for them.
+    _warm_up(comm, model)
+    backend.remeasure()
     # The search must see the same capacity everywhere: the smallest one.
-    agreed = torch.tensor([-float(capacity), float(needed)], dtype=torch.float64, device=_comm_device())
-    _collective("agreeing on capacity", lambda: dist.all_reduce(agreed, op=dist.ReduceOp.MAX))
-    capacity, min_batch = int(-agreed[0].item()), int(agreed[1].item())
+    agreed = torch.tensor([-float(backend.capacity()), float(needed)], dtype=torch.float64, device=comm.device)
+    capacity, min_batch = _collective(
+        comm, "agreeing on capacity", lambda: dist.all_reduce(agreed, op=dist.ReduceOp.MAX, async_op=True),
+        lambda: (int(-agreed[0].item()), int(agreed[1].item())))
     if max_batch is not None and max_batch < min_batch:
         raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
     headroom_bytes = resolve_headroom(headroom, capacity)
@@ -221,9 +284,9 @@ def probe_distributed(
             mine = run_trial(workload, net, backend, batch)
         except Exception as exc:  # run_trial turned OOM into a trial already
             failure = exc
-        shared = _share_trial(mine)
+        shared = _share_trial(comm, mine)
         if any(t is None for t in shared):
-            _agree_on_errors(failure, f"running the trial at batch {batch}")
+            _agree_on_errors(comm, failure, f"running the trial at batch {batch}")
         trials = [replace(t, batch=batch) for t in shared if t is not None]
         for r, t in enumerate(trials):
             local_trials[r].append(t)
@@ -234,15 +297,21 @@ def probe_distributed(
 
     owned = not isinstance(workload.model, torch.nn.Module)
     with ExitStack() as stack:
-        net = stack.enter_context(
-            borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+        # Moving the weights, and DDP's buckets, can run out of memory on one rank while the others
+        # would wait for it in DDP's collectives: agree on that too.
+        net = error = None
+        try:
+            net = stack.enter_context(
+                borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+        except Exception as exc:
+            error = weights_error(exc, backend, "the model's weights")
+        _agree_on_errors(comm, error, "moving the model to its device")
         if use_ddp:
-            error = None
             try:
                 net = stack.enter_context(ddp_for_trials(net, backend))
             except Exception as exc:  # out of memory for the buckets alone, or one of DDP's checks
-                error = exc
-            _agree_on_errors(error, "wrapping the model in DistributedDataParallel")
+                error = weights_error(exc, backend, "the model's weights and DDP's gradient buckets")
+            _agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
         outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch)
         net = None  # the wrapper's gradient buckets die with the last reference
     if owned:
@@ -251,7 +320,7 @@ def probe_distributed(
 
     me = (local_rank, socket.gethostname(), backend.info().to_dict())
     everyone: list[Any] = [None] * world
-    _collective("gathering the rank reports", lambda: dist.all_gather_object(everyone, me))
+    _collective(comm, "gathering the rank reports", lambda: dist.all_gather_object(everyone, me))
     reports = tuple(
         _rank_report(r, lr, host, DeviceInfo(**info), local_trials[r]) for r, (lr, host, info) in enumerate(everyone)
     )

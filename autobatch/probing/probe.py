@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -11,13 +12,15 @@ from ..errors import AutobatchError, MinimumBatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for
 from ..units import format_bytes, parse_bytes
 from .backends import CudaBackend, MemoryBackend, SimulatedBackend
+from .oom import is_oom_error
 from .preserve import borrowed_model
 from .result import ProbeResult
 from .search import fit_line, predict_batch, search_max
 from .trial import Trial, run_trial
 from .workload import Workload
 
-__all__ = ["probe", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM"]
+__all__ = ["probe", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
+           "weights_error"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
@@ -41,6 +44,21 @@ def make_backend(device: str | torch.device | None = None, memory: int | str | N
             )
         return SimulatedBackend(memory)
     raise AutobatchError(f"device must be 'cuda', 'cuda:N' or 'cpu', but got {name!r}")
+
+
+def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exception:
+    """The error to raise when putting ``what`` on the device failed: "nothing fits" for an OOM.
+
+    Moving the weights happens before any trial, so an out-of-memory error there would otherwise
+    surface as a raw traceback. Any other error is returned as it is.
+    """
+    if not is_oom_error(exc):
+        return exc
+    return NoBatchFitsError(
+        f"{what} alone do not fit on {backend.info().name} (capacity {format_bytes(backend.capacity())}): "
+        f"{'. '.join(str(exc).splitlines()[0].split('. ')[:2])[:160]}; use bf16 weights, a smaller model, sharding (FSDP, ZeRO-3) "
+        "or a larger device"
+    )
 
 
 def resolve_headroom(headroom: float | int | str, capacity: int) -> int:
@@ -163,8 +181,17 @@ def probe(
             on_trial(trial)
         return trial
 
-    with borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing) as lent:
+    with ExitStack() as stack:
+        try:
+            lent = stack.enter_context(
+                borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+        except Exception as exc:
+            error = weights_error(exc, backend, "the model's weights")
+            if error is exc:
+                raise
+            raise error from exc
         outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+        lent = None
     if owned:
         del model, lent
     backend.release()

@@ -1,0 +1,113 @@
+"""spawn_local's failure paths and the lockstep agreement's, across real processes (gloo, 2 ranks each).
+
+The jobs are module-level functions: spawned workers import this module to find them. Every
+run is bounded by spawn_local's own deadline and by the assertions on elapsed time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autobatch import AutobatchError, NoBatchFitsError, Workload
+from autobatch.distributed import probe_distributed, spawn_local
+from autobatch.probe import make_backend
+from tests.emulated_cuda import EmulatedGpu, emulated
+
+MIB = 1 << 20
+SPAWN = dict(nprocs=2, backend="gloo", timeout_s=30)
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def job_no_batch_fits() -> str:
+    if _rank() == 1:
+        raise NoBatchFitsError("even a batch of 1 runs out of memory on cuda:1")
+    return "done"
+
+
+def job_value_error() -> str:
+    if _rank() == 1:
+        raise ValueError("labels must be integers")
+    return "done"
+
+
+def job_killed() -> str:
+    if _rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "done"
+
+
+def job_leaves_a_mark_at_exit(mark: str) -> str:
+    atexit.register(Path(mark).write_text, f"rank {_rank()} ran the interpreter's exit handlers")
+    return "done"
+
+
+def _tiny_batch(b: int):
+    return torch.randn(b, 1024), torch.randint(0, 4096, (b,))
+
+
+def job_weights_do_not_fit_on_rank_1(out: str) -> None:
+    """Rank 1's emulated GPU (8 MiB) cannot hold the 16 MiB of weights that rank 0's can."""
+    rank, start = _rank(), time.monotonic()
+    gpus = [EmulatedGpu(0, total_bytes=256 * MIB, context_bytes=0), EmulatedGpu(1, total_bytes=8 * MIB, context_bytes=0)]
+    with emulated(gpus):
+        try:
+            probe_distributed(Workload(lambda: torch.nn.Linear(1024, 4096), _tiny_batch), make_backend("cuda"),
+                              timeout_s=20)
+        except Exception as exc:
+            Path(out, f"rank{rank}.json").write_text(json.dumps([type(exc).__name__, str(exc), time.monotonic() - start]))
+            raise
+
+
+def job_rank_1_hangs_in_setup() -> None:
+    def model() -> torch.nn.Module:
+        if _rank() == 1:
+            time.sleep(120)  # loading a model that never arrives
+        return torch.nn.Linear(4, 4)
+
+    probe_distributed(Workload(model, lambda b: (torch.randn(b, 4), torch.randint(0, 4, (b,)))), make_backend("cpu", "1MiB"),
+                      timeout_s=3)
+
+
+@pytest.mark.parametrize("job, message", [
+    (job_no_batch_fits, r"^rank 1: even a batch of 1 runs out of memory on cuda:1$"),
+    (job_value_error, r"^rank 1 failed with ValueError: labels must be integers$"),
+    (job_killed, r"^rank 1 was killed by SIGKILL before it could report an error"),
+])
+def test_a_failing_worker_is_one_clear_error_naming_its_rank(job, message):
+    expected = NoBatchFitsError if job is job_no_batch_fits else AutobatchError
+    with pytest.raises(expected, match=message):
+        spawn_local(job, **SPAWN)
+
+
+def test_workers_skip_the_interpreters_teardown(tmp_path):
+    mark = tmp_path / "teardown-ran"
+    assert spawn_local(job_leaves_a_mark_at_exit, (str(mark),), **SPAWN) == "done"
+    assert not mark.exists()  # they end with os._exit, as launched ranks do
+
+
+def test_weights_that_do_not_fit_on_one_rank_stop_every_rank_with_the_same_error(tmp_path):
+    with pytest.raises(NoBatchFitsError, match=r"^rank 1: the model's weights alone do not fit on NVIDIA Emulated GPU"):
+        spawn_local(job_weights_do_not_fit_on_rank_1, (str(tmp_path),), **SPAWN)
+    ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ends[0][:2] == ends[1][:2]
+    assert ends[0][0] == "NoBatchFitsError" and "CUDA out of memory" in ends[0][1]
+    assert max(seconds for _, _, seconds in ends) < 20  # agreed at once, not after a timeout
+
+
+def test_a_rank_that_hangs_ends_the_agreement_with_one_clear_error_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(AutobatchError, match=r"rank 0: lost contact with the other ranks while setting up "
+                                             r"\(no answer within 3 s"):
+        spawn_local(job_rank_1_hangs_in_setup, **SPAWN)  # the process group itself would wait 90 s
+    assert time.monotonic() - start < 45

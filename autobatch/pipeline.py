@@ -13,7 +13,7 @@ from .errors import AutobatchError
 from .planning.plan import Plan
 from .planning.solver import solve
 from .probing.backends import MemoryBackend
-from .probing.probe import DEFAULT_HEADROOM, ProbeResult, make_backend
+from .probing.probe import DEFAULT_HEADROOM, ProbeResult, for_data_parallel, make_backend
 from .probing.trial import Trial
 from .probing.workload import Workload, default_loss
 
@@ -61,8 +61,11 @@ def plan_from_probe(
 ) -> Plan:
     """The plan for ``target`` with the probe's safe batch as the largest micro batch.
 
-    Without a ``target`` the plan is the safe batch on every GPU with no accumulation.
+    Without a ``target`` the plan is the safe batch on every GPU with no accumulation. With more
+    than one data-parallel rank, a probe of one bare device leaves room for DDP's gradient
+    buckets first (:func:`~autobatch.probing.probe.for_data_parallel`).
     """
+    result = for_data_parallel(result, gpus_per_node * nodes // max(1, model_parallel))
     if result.safe_batch < result.min_batch:
         raise AutobatchError(
             f"no batch keeps the headroom ({result.headroom_bytes} bytes): even the smallest batch "
@@ -108,6 +111,7 @@ def find_plan(
                                   on_trial=on_trial, use_cache=use_cache, root=cache_root)
     if gpus_per_node is None:
         gpus_per_node = max(1, local_gpu_count()) if backend.device.type == "cuda" else 1
+    result = for_data_parallel(result, gpus_per_node * nodes // max(1, model_parallel))
     plan = plan_from_probe(result, target=target, gpus_per_node=gpus_per_node, nodes=nodes,
                            model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
                            base_batch=base_batch)

@@ -106,6 +106,15 @@ def test_software_versions_change_the_digest(monkeypatch, attribute):
     assert fingerprint(_work(), INFO).digest != BASE.digest
 
 
+@pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_the_allocator_configuration_changes_the_digest(monkeypatch, variable):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    plain = fingerprint(_work(), INFO).digest
+    monkeypatch.setenv(variable, "expandable_segments:True")  # no fragmentation: more fits
+    assert fingerprint(_work(), INFO).digest != plain
+
+
 def test_weights_and_free_memory_do_not_change_the_digest():
     model = _mlp()
     torch.nn.init.constant_(model[0].weight, 3.0)

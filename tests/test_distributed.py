@@ -80,6 +80,16 @@ def _case_error(out: Path) -> None:
 # --- the test side --------------------------------------------------------------------------
 
 
+def cpu_env() -> dict[str, str]:
+    """The environment for worker processes: gloo on the CPU with simulated budgets, even where GPUs exist.
+
+    The example and the workers pick NCCL and ``cuda:<rank>`` whenever CUDA is available; these
+    tests are about simulated budgets, so the GPUs are hidden from them.
+    """
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+
+
 def _free_port() -> int:
     import socket
 
@@ -94,9 +104,8 @@ def launch(case: str, world: int, out: Path) -> tuple[list[subprocess.CompletedP
     procs = []
     for rank in range(world):
         env = {
-            **os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            **cpu_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         }
         procs.append(subprocess.Popen([sys.executable, __file__, case, str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -176,7 +185,7 @@ def test_a_non_oom_error_on_one_rank_stops_every_rank_with_it(tmp_path: Path) ->
 
 
 def _run_doc_command(command: list[str]) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    env = cpu_env()
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the command decides whether there is a launcher, not this test's environment
     try:
@@ -224,6 +233,10 @@ def test_rank_env_reports_every_bad_variable_at_once() -> None:
         rank_env({"RANK": "x", "WORLD_SIZE": "2", "MASTER_PORT": "p"})
     with pytest.raises(ConfigError, match="RANK must be below WORLD_SIZE \\(2\\), but got RANK=2"):
         rank_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_worker_processes_see_no_gpu_so_they_run_gloo_on_simulated_budgets() -> None:
+    assert cpu_env()["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_probe_distributed_needs_a_process_group() -> None:

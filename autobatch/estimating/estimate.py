@@ -222,7 +222,11 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
     return replace(raw, seconds_per_step=None)
 
 
-def _on_gpu(trial: Trial, overheads: Overheads, capacity: int) -> Trial:
+def _on_gpu(trial: Trial, overheads: Overheads, capacity: int, buckets: int = 0) -> Trial:
+    # DDP's buckets are allocated when the model is wrapped and live as long as it: a fixed cost.
+    trial = replace(trial, peak_bytes=trial.peak_bytes + buckets, reserved_bytes=trial.reserved_bytes + buckets,
+                    forward_backward_bytes=trial.forward_backward_bytes + buckets,
+                    optimizer_bytes=trial.optimizer_bytes + buckets)
     reserved = overheads.reserved(trial.reserved_bytes)
     return replace(
         trial,
@@ -244,6 +248,7 @@ def estimate(
     max_batch: int | None = None,
     min_batch: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    data_parallel: int = 1,
 ) -> Estimate:
     """Estimate the largest and a safe per-GPU batch for ``gpu``, on any machine, without a GPU.
 
@@ -258,6 +263,8 @@ def estimate(
         max_batch: an explicit cap on the batch.
         min_batch: the smallest batch; default 2 for models with BatchNorm, else 1.
         on_trial: called with each traced trial (GPU figures) as it finishes.
+        data_parallel: data-parallel ranks the plan trains on; above 1 each GPU also holds DDP's
+            gradient buckets (a copy of the gradients), counted in every trial.
 
     Raises:
         NoBatchFitsError: when even ``min_batch`` does not fit the GPU.
@@ -287,11 +294,12 @@ def estimate(
     if max_batch is not None and max_batch < min_batch:
         raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
     traced: list[Trial] = []
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if data_parallel > 1 else 0
 
     def run(batch: int) -> Trial:
         raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
         traced.append(raw)
-        trial = _on_gpu(raw, overheads, capacity)
+        trial = _on_gpu(raw, overheads, capacity, buckets)
         if on_trial is not None:
             on_trial(trial)
         return trial
@@ -323,4 +331,5 @@ def estimate(
         seconds=time.perf_counter() - started,
         workload=workload.name,
         dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
+        extra={"ddp_buckets_bytes": buckets} if buckets else {},
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +20,7 @@ from .trial import Trial, run_trial
 from .workload import Workload
 
 __all__ = ["probe", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
-           "weights_error"]
+           "weights_error", "for_data_parallel"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
@@ -44,6 +44,26 @@ def make_backend(device: str | torch.device | None = None, memory: int | str | N
             )
         return SimulatedBackend(memory)
     raise AutobatchError(f"device must be 'cuda', 'cuda:N' or 'cpu', but got {name!r}")
+
+
+def for_data_parallel(result: ProbeResult, data_parallel: int) -> ProbeResult:
+    """The probe's answer for training on ``data_parallel`` ranks under DDP.
+
+    DDP keeps a flat copy of every gradient in its buckets (as many bytes as the gradients), so
+    a probe of one bare device overstates what fits on each of several ranks. When the plan has
+    more than one data-parallel rank and the probe did not run under DDP, the safe batch is
+    re-derived from the same trials with the buckets' bytes taken off the limit.
+    """
+    under_ddp = result.extra.get("distributed", {}).get("wrapped") == "ddp"
+    if data_parallel <= 1 or under_ddp or not result.gradient_bytes or "ddp_buckets_bytes" in result.extra:
+        return result  # one rank, buckets measured, nothing to train, or counted already
+    limit = result.capacity_bytes - result.headroom_bytes - result.gradient_bytes
+    summary = summarise(result.trials, result.max_batch, limit)
+    peak = None if summary.safe_peak_bytes is None else summary.safe_peak_bytes + result.gradient_bytes
+    return replace(
+        result, safe_batch=summary.safe_batch, safe_peak_bytes=peak, safe_peak_measured=False,
+        extra={**result.extra, "ddp_buckets_bytes": result.gradient_bytes},
+    )
 
 
 def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exception:
@@ -165,6 +185,7 @@ def probe(
         min_batch = min_batch_for(model)
     if max_batch is not None and max_batch < min_batch:
         raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def run(batch: int) -> Trial:
         try:
@@ -217,4 +238,5 @@ def probe(
         safe_peak_bytes=summary.safe_peak_bytes,
         safe_peak_measured=summary.safe_peak_measured,
         workload=workload.name,
+        gradient_bytes=gradient_bytes,
     )

@@ -85,9 +85,11 @@ class ProbeResult(BatchResult):
 
     device: DeviceInfo
     safe_peak_measured: bool
+    gradient_bytes: int | None = None  # the trainable parameters' gradients: one DDP bucket's copy
 
     def _details(self) -> dict[str, Any]:
-        return {"safe_peak_measured": self.safe_peak_measured, "device": self.device.to_dict()}
+        return {"safe_peak_measured": self.safe_peak_measured, "gradient_bytes": self.gradient_bytes,
+                "device": self.device.to_dict()}
 
     def __str__(self) -> str:
         lines = [

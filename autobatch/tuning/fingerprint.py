@@ -3,13 +3,15 @@
 Two probes with the same fingerprint give the same batch sizes, so the second one can be read
 from the cache. The fingerprint holds the model's architecture and parameter *shapes* (never
 their values: random or trained weights need the same memory), the batch shape, the training
-settings, the device and the software versions. Any field that changes changes the digest.
+settings, the device, the software versions and the allocator configuration. Any field that
+changes changes the digest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,11 @@ from ..errors import AutobatchError
 from ..probing.backends import DeviceInfo
 from ..probing.workload import Workload
 
-__all__ = ["Fingerprint", "fingerprint", "model_signature", "batch_signature", "autobatch_version"]
+__all__ = ["Fingerprint", "fingerprint", "model_signature", "batch_signature", "autobatch_version",
+           "ALLOCATOR_CONF_VARIABLES"]
+
+# Where torch reads the caching allocator's configuration (the second is the newer, device-neutral name).
+ALLOCATOR_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,8 @@ def fingerprint(
         "device": {"kind": device.kind, "name": device.name, "total_bytes": device.total_bytes},
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        # The allocator's settings change what fits (expandable_segments ends fragmentation).
+        "allocator_conf": {name: os.environ.get(name) for name in ALLOCATOR_CONF_VARIABLES},
         "autobatch": autobatch_version(),
         "settings": {str(k): _jsonable(v) for k, v in sorted((settings or {}).items())},
     }

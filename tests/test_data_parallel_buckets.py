@@ -1,0 +1,31 @@
+"""Plans for several data-parallel ranks from a probe or estimate of one bare device count DDP's buckets."""
+
+from __future__ import annotations
+
+from autobatch import SimulatedBackend
+from autobatch.estimate import estimate
+from autobatch.find import find_plan
+from autobatch.overheads import Overheads
+from tests.tiny import mlp, mlp_workload
+
+GRADIENTS = sum(p.numel() * p.element_size() for p in mlp().parameters())  # one bucket copy of them
+
+
+def test_a_multi_gpu_plan_from_one_bare_device_leaves_room_for_ddps_buckets():
+    one = find_plan(mlp_workload(), backend=SimulatedBackend("4MiB"), gpus_per_node=1, headroom=0)
+    four = find_plan(mlp_workload(), backend=SimulatedBackend("4MiB"), gpus_per_node=4, headroom=0)
+    assert [t.batch for t in four.probe.trials] == [t.batch for t in one.probe.trials]  # the same probe
+    assert four.probe.extra["ddp_buckets_bytes"] == GRADIENTS and "ddp_buckets_bytes" not in one.probe.extra
+    assert four.probe.safe_batch < one.probe.safe_batch
+    assert four.plan.micro_batch == four.probe.safe_batch and four.plan.world_size == 4
+    assert four.probe.safe_peak_bytes <= four.probe.capacity_bytes
+
+
+def test_an_estimate_for_several_gpus_counts_ddps_buckets_in_every_trial():
+    work = mlp_workload()
+    one = estimate(work, gpu_memory="64MiB", headroom=0, overheads=Overheads.none())
+    eight = estimate(work, gpu_memory="64MiB", headroom=0, overheads=Overheads.none(), data_parallel=8)
+    assert eight.extra == {"ddp_buckets_bytes": GRADIENTS}
+    assert eight.trials[0].batch == one.trials[0].batch
+    assert eight.trials[0].reserved_bytes == one.trials[0].reserved_bytes + GRADIENTS
+    assert eight.max_batch < one.max_batch

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from autobatch import AutobatchError, CudaBackend, probe
+from autobatch import AutobatchError, CudaBackend, NoBatchFitsError, Workload, probe
 from autobatch.backends.cuda import nvml_usage
 from autobatch.distributed import probe_distributed, process_group
 from autobatch.lockstep import _comm_device
@@ -125,3 +125,15 @@ def test_the_agreement_runs_on_the_probed_gpu_not_the_current_one(monkeypatch):
         backend = CudaBackend("cuda:3")
         assert torch.cuda.current_device() == 0
         assert _comm_device(backend) == torch.device("cuda", 3)
+
+
+def test_weights_that_do_not_fit_are_no_batch_fits_and_the_model_is_untouched(monkeypatch):
+    with emulated([EmulatedGpu(0, total_bytes=8 * MIB, context_bytes=0)], patch=monkeypatch):
+        model = torch.nn.Linear(1024, 4096)  # 16 MiB of weights
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        work = Workload(model, lambda b: (torch.randn(b, 1024), torch.randint(0, 4096, (b,))))
+        with pytest.raises(NoBatchFitsError, match=r"the model's weights alone do not fit on NVIDIA Emulated GPU "
+                                                   r"\(capacity 8.00 MiB\): CUDA out of memory. Tried to allocate 16.00 MiB;"):
+            probe(work, CudaBackend())
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        assert torch.cuda.memory_allocated() == 0

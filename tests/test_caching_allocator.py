@@ -122,3 +122,15 @@ def test_the_host_running_out_of_ram_is_reported_not_counted_as_the_budget():
     with pytest.raises(AutobatchError, match=r"this machine ran out of RAM while simulating a 16.00 GiB device "
                                              r"\(.*DefaultCPUAllocator: can't allocate memory.*lower --memory"):
         probe(work, SimulatedBackend("16GiB"))
+
+
+def test_the_search_stays_exact_on_the_allocators_staircase():
+    from autobatch.probe import make_backend
+    from tests.tiny import mlp_workload
+
+    backend = make_backend("cpu", "12MiB", allocator="caching")
+    result = probe(mlp_workload(), backend)
+    outcome = {t.batch: t.fits for t in result.trials}
+    assert result.limited_by == "memory"
+    assert outcome[result.max_batch] and outcome[result.max_batch + 1] is False
+    assert all(t.reserved_bytes % (2 * MIB) == 0 for t in result.trials if t.fits)  # whole segments

@@ -42,7 +42,7 @@ def make_backend(device: str | torch.device | None = None, memory: int | str | N
                 "probing on the CPU needs a simulated memory budget, but none was given; "
                 "pass memory='8GiB' (CLI: --device cpu --memory 8GiB)"
             )
-        return SimulatedBackend(memory)
+        return SimulatedBackend(memory, allocator=allocator)
     raise AutobatchError(f"device must be 'cuda', 'cuda:N' or 'cpu', but got {name!r}")
 
 
@@ -130,8 +130,11 @@ def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: in
     phases = phase_points(trials)
     growing = fit_line(phases[0])
     lines = [line for line in map(fit_line, phases) if line is not None]
-    # The phase lines are allocated bytes; what the allocator held on top of them was seen too.
-    cache = max((t.reserved_bytes - t.peak_bytes for t in trials if t.fits), default=0)
+    # Where the phase figures are allocated bytes, what the allocator held on top of them was
+    # seen too: add the largest such cache to the lines (0 where the phases are reserved figures).
+    cache = max((t.reserved_bytes - max(t.forward_backward_bytes, t.optimizer_bytes)
+                 for t in trials if t.fits and max(t.forward_backward_bytes, t.optimizer_bytes) > 0), default=0)
+    cache = max(cache, 0)
     predicted = predict_batch(phases, None, limit - cache) if growing is not None else None
     safe = floor_ if predicted is None else max(floor_, min(ceiling, predicted))
     safe = min(safe, max_batch)

@@ -1,4 +1,4 @@
-"""The contract of :class:`autobatch.backends.MemoryBackend`, as tests every backend must pass.
+"""The contract of :class:`autobatch.probing.backends.MemoryBackend`, as tests every backend must pass.
 
 A backend's test module subclasses :class:`BackendContract` and provides ``backend`` (a fresh
 backend whose capacity a small MLP step at batch 512 fits in). The batch that must not fit is

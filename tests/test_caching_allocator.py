@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autobatch import AutobatchError, SimulatedBackend, Workload, is_oom_error, probe
-from autobatch.backends.caching_allocator import CachingAllocator, allocation_size, round_size
+from autobatch.probing.backends.caching_allocator import CachingAllocator, allocation_size, round_size
 from tests.backend_suite import BackendContract
 
 MIB = 1 << 20
@@ -125,7 +125,7 @@ def test_the_host_running_out_of_ram_is_reported_not_counted_as_the_budget():
 
 
 def test_the_search_stays_exact_on_the_allocators_staircase():
-    from autobatch.probe import make_backend
+    from autobatch.probing.probe import make_backend
     from tests.tiny import mlp_workload
 
     backend = make_backend("cpu", "12MiB", allocator="caching")

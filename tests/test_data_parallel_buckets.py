@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from autobatch import SimulatedBackend
-from autobatch.estimate import estimate
-from autobatch.find import find_plan
-from autobatch.overheads import Overheads
+from autobatch.estimating.estimate import estimate
+from autobatch.pipeline import find_plan
+from autobatch.estimating.overheads import Overheads
 from tests.tiny import mlp, mlp_workload
 
 GRADIENTS = sum(p.numel() * p.element_size() for p in mlp().parameters())  # one bucket copy of them

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from autobatch import AutobatchError, CudaBackend, NoBatchFitsError, Workload, probe
-from autobatch.backends.cuda import nvml_usage
+from autobatch.probing.backends.cuda import nvml_usage
 from autobatch.distributed import probe_distributed, process_group
-from autobatch.lockstep import _comm_device
-from autobatch.preserve import borrowed_model
-from autobatch.probe import make_backend
-from autobatch.trial import run_trial
+from autobatch.distributed.lockstep import _comm_device
+from autobatch.probing.preserve import borrowed_model
+from autobatch.probing.probe import make_backend
+from autobatch.probing.trial import run_trial
 from tests.backend_suite import BackendContract
 from tests.emulated_cuda import EmulatedGpu, emulated, emulated_cuda  # noqa: F401 - a fixture
 from tests.tiny import mlp, mlp_workload

@@ -18,7 +18,7 @@ import torch
 
 from autobatch import AutobatchError, NoBatchFitsError, Workload
 from autobatch.distributed import probe_distributed, spawn_local
-from autobatch.probe import make_backend
+from autobatch.probing.probe import make_backend
 from tests.emulated_cuda import EmulatedGpu, emulated
 
 MIB = 1 << 20

@@ -26,8 +26,13 @@ DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
 
 
-def make_backend(device: str | torch.device | None = None, memory: int | str | None = None) -> MemoryBackend:
-    """The backend for a device name: ``"cuda"``/``"cuda:1"`` real, ``"cpu"`` with a simulated ``memory``."""
+def make_backend(device: str | torch.device | None = None, memory: int | str | None = None,
+                 allocator: str = "exact") -> MemoryBackend:
+    """The backend for a device name: ``"cuda"``/``"cuda:1"`` real, ``"cpu"`` with a simulated ``memory``.
+
+    ``allocator`` is the simulated backend's (``"exact"`` bytes, or ``"caching"``: a model of
+    the CUDA caching allocator); a real GPU has its own.
+    """
     name = str(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda"):
         if memory is not None:

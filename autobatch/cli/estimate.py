@@ -63,7 +63,7 @@ def estimate_command(
     source = load_fake_model(model, seq_len=seq_len)
     workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
     result = estimate(workload, spec, overheads=overheads, headroom=headroom_value(headroom), max_batch=max_batch,
-                      min_batch=min_micro)
+                      min_batch=min_micro, data_parallel=gpus * nodes // max(1, model_parallel))
     plan = None
     written: dict[str, str] = {}
     if target is not None:

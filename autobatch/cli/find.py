@@ -78,6 +78,10 @@ def find_command(
     gpu: str = typer.Option("a100-80gb", "--gpu", help="With no CUDA GPU here and no --device: estimate for this GPU (default a100-80gb)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again even when a result for this setup is cached."),
     plot: str | None = typer.Option(None, "--plot", help="Draw peak memory against batch into this PNG (needs the plot extra)."),
+    timeout: float = typer.Option(
+        300.0, "--timeout", min=1.0,
+        help="Seconds a rank waits for the others (under a launcher, or one worker per GPU here) before all stop with one error.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Probe the largest per-GPU batch with real training steps, then plan --target exactly.
@@ -127,9 +131,9 @@ def find_command(
 
         env = rank_env()
         backend = make_backend(device or (f"cuda:{env.local_rank}" if memory is None else "cpu"), memory)
-        with process_group("gloo" if backend.device.type == "cpu" else None):
+        with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=timeout):
             workload = load_model(model, **load).to_workload(**settings)
-            result = probe_distributed(workload, backend, **options)
+            result = probe_distributed(workload, backend, **options, timeout_s=timeout)
         if not is_main_process():
             return  # only rank 0 prints and writes files
         if nodes == 1 and env.world_size > env.local_world_size:
@@ -140,7 +144,8 @@ def find_command(
     elif device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
         # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
         console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)
-        agreed, report = spawn_local(probe_worker, (model, load, settings, options))
+        agreed, report = spawn_local(probe_worker, (model, load, settings, {**options, "timeout_s": timeout}),
+                                     timeout_s=timeout)
         plan = plan_from_probe(agreed, gpus_per_node=gpus or gpu_count, **planning)
         finding = Finding(agreed, plan, ranks_report=report)
     else:

@@ -70,7 +70,7 @@ def accelerate_config(
         main_process_port: Port on node 0, for multi-node jobs.
 
     Example:
-        >>> from autobatch.plan import Plan
+        >>> from autobatch.planning.plan import Plan
         >>> accelerate_config(Plan(7, 2, gpus_per_node=16))["distributed_type"]
         'MULTI_GPU'
     """

@@ -59,7 +59,7 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         keep_auto: Leave keys whose value is ``"auto"`` untouched (see the module docstring).
 
     Example:
-        >>> from autobatch.plan import Plan
+        >>> from autobatch.planning.plan import Plan
         >>> deepspeed_config(Plan(7, 2, gpus_per_node=16), {"zero_optimization": {"stage": 2}})
         {'zero_optimization': {'stage': 2}, 'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2}
         >>> deepspeed_config(Plan(7, 2, gpus_per_node=16))

@@ -23,7 +23,7 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
         deepspeed_config_file: Adds ``deepspeed=<path>`` so Trainer uses the same DeepSpeed JSON.
 
     Example:
-        >>> from autobatch.plan import Plan
+        >>> from autobatch.planning.plan import Plan
         >>> hf_training_args(Plan(7, 2, gpus_per_node=16))
         {'per_device_train_batch_size': 7, 'gradient_accumulation_steps': 2}
     """
@@ -40,7 +40,7 @@ def hf_flags(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = 
     """The same values as ``HfArgumentParser`` command-line flags.
 
     Example:
-        >>> from autobatch.plan import Plan
+        >>> from autobatch.planning.plan import Plan
         >>> hf_flags(Plan(7, 2, gpus_per_node=16))
         ['--per_device_train_batch_size', '7', '--gradient_accumulation_steps', '2']
     """

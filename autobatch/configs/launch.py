@@ -45,7 +45,7 @@ def torchrun_command(
             where ``--standalone`` picks a free port).
 
     Example:
-        >>> from autobatch.plan import Plan
+        >>> from autobatch.planning.plan import Plan
         >>> torchrun_command(Plan(7, 2, gpus_per_node=16), "train.py")
         'torchrun --standalone --nproc_per_node 16 train.py'
     """
@@ -85,7 +85,7 @@ def accelerate_command(
         machine_rank, main_process_ip, main_process_port: Rendezvous for multi-node jobs.
 
     Example:
-        >>> from autobatch.plan import Plan
+        >>> from autobatch.planning.plan import Plan
         >>> accelerate_command(Plan(7, 2, gpus_per_node=16), "train.py")
         'ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2 accelerate launch --num_processes 16 --num_machines 1 --multi_gpu train.py'
     """

@@ -18,7 +18,7 @@ def lightning_settings(plan: Plan) -> dict[str, dict[str, int]]:
     """``{"trainer": Trainer kwargs, "dataloader": DataLoader kwargs}`` for the plan.
 
     Example:
-        >>> from autobatch.plan import Plan
+        >>> from autobatch.planning.plan import Plan
         >>> lightning_settings(Plan(7, 2, gpus_per_node=16))
         {'trainer': {'accumulate_grad_batches': 2, 'devices': 16, 'num_nodes': 1}, 'dataloader': {'batch_size': 7}}
     """

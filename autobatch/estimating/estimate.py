@@ -11,7 +11,7 @@ same at any batch (shapes only), so the answer is the exact boundary of that mod
 
 Example:
     >>> import torch, autobatch
-    >>> from autobatch.estimate import estimate
+    >>> from autobatch.estimating.estimate import estimate
     >>> model = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     >>> work = autobatch.Workload(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))))
     >>> result = estimate(work, gpu_memory="1GiB")

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(coarse=args.coarse)
     text = args.out.read_text() if args.out.exists() else ""
     marker = "<!-- measured: python -m benchmarks.curves -->"
-    head = text.split(marker)[0] if marker in text else "# The search on synthetic memory curves\n\n"
+    head = text.split(marker)[0] if text else "# The search on synthetic memory curves\n\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(head + marker + "\n\n" + markdown(results))
     print(markdown(results))

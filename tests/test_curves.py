@@ -66,3 +66,15 @@ def test_doubling_and_bisection_is_the_textbook_sequence():
     curve = Curve("affine", "", 1000, 100, 1, 5.5, shape=lambda x: x)  # fits up to 5
     outcome = doubling_bisection(oracle(curve), curve.capacity, min_batch=1)
     assert [t.batch for t in outcome.trials] == [1, 2, 4, 8, 6, 5] and outcome.max_batch == 5
+
+
+def test_main_writes_the_tables_under_the_marker_and_keeps_the_text_above(results, tmp_path, monkeypatch):
+    import benchmarks.curves as module
+
+    monkeypatch.setattr(module, "measure", lambda coarse=False: results)
+    out = tmp_path / "curves.md"
+    out.write_text("# hand-written\n\n<!-- measured: python -m benchmarks.curves -->\nstale\n")
+    assert module.main(["--coarse", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# hand-written") and "stale" not in text
+    assert all(f"### {name}" in text for name in results) and "| superlinear |" in text

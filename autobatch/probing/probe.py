@@ -110,6 +110,7 @@ def probe(
     min_batch: int | None = None,
     headroom: float | int | str = DEFAULT_HEADROOM,
     on_trial: Callable[[Trial], None] | None = None,
+    prior: Callable[[int], float] | None = None,
 ) -> ProbeResult:
     """Find the exact largest per-device batch that trains, by running real training steps.
 
@@ -120,6 +121,9 @@ def probe(
         min_batch: the smallest batch allowed; default 2 for models with BatchNorm, else 1.
         headroom: memory kept free for ``safe_batch``: a fraction of capacity or a size.
         on_trial: called with each :class:`~autobatch.probing.trial.Trial` as it finishes.
+        prior: a predicted peak (bytes) at any batch, such as
+            :func:`autobatch.estimating.prior.trace_prior`'s; the search calibrates it against
+            the trials and needs fewer of them. The answer rests on the trials either way.
 
     Example:
         >>> import torch, autobatch
@@ -160,7 +164,7 @@ def probe(
         return trial
 
     with borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing) as lent:
-        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
     if owned:
         del model, lent
     backend.release()

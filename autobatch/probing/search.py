@@ -1,6 +1,6 @@
 """The search for the exact largest batch that fits, with as few trials as possible.
 
-Each step asks a model of the memory curve (:mod:`autobatch.memory_curve`) for the largest
+Each step asks a model of the memory curve (:mod:`autobatch.probing.memory_curve`) for the largest
 batch it predicts to fit, ``E``, and tries it, clamped into the open bracket (largest fit,
 smallest failure): after ``E`` fits the model is redrawn through it and the next candidate is
 ``E + 1``; after it fails, one below. The model climbs a ladder with the evidence: a prior

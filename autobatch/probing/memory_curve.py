@@ -1,6 +1,6 @@
 """Models of a step's peak memory against the batch, drawn from the trials that fit.
 
-The search (:mod:`autobatch.search`) asks these models where the capacity is crossed; the
+The search (:mod:`autobatch.probing.search`) asks these models where the capacity is crossed; the
 answer always rests on trials, the models only choose which to run. Each model is a curve
 ``peak(b)`` in bytes, climbing a ladder as the trials give evidence:
 

@@ -137,3 +137,11 @@ def test_gradients_setting_small_batch_peaks_does_not_send_the_search_far_past_t
     traced = search_max(run, capacity, prior=lambda b: max(fb(b), resident + grads))
     assert [(t.batch, t.fits) for t in traced.trials] == [(1, True), (33, True), (34, False)]
 
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import autobatch.search
+
+    assert doctest.testmod(autobatch.search).failed == 0

@@ -210,8 +210,8 @@ def search_max(
         >>> oracle = lambda b: Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
         >>> outcome = search_max(oracle, 1000)
         >>> outcome.max_batch, [t.batch for t in outcome.trials]
-        (128, [1, 22, 128, 129])
-        >>> [t.batch for t in search_max(oracle, 1000, prior=lambda b: 7 * b).trials]
+        (128, [1, 16, 69, 128, 129])
+        >>> [t.batch for t in search_max(oracle, 1000, prior=lambda b: 100 + 7 * b).trials]
         [1, 128, 129]
     """
     cap = HARD_MAX_BATCH if max_batch is None else max_batch

@@ -189,3 +189,17 @@ def test_default_loss_shapes():
 
     with pytest.raises(AutobatchError, match="default_loss needs model\\(batch\\) to return a tensor or an object with a loss"):
         default_loss(Returns(), torch.randn(2, 4))
+
+
+def test_a_trial_that_ran_out_of_memory_in_backward_leaves_nothing_behind():
+    # The engine kept a failed backward's tasks (and their saved tensors) until the next
+    # backward: the next trial started with them counted and failed where it fits.
+    from benchmarks.cases import Case
+
+    work = Case("clip", "2MiB").workload()
+    backend, model = SimulatedBackend("2MiB"), work.model()
+    assert run_trial(work, model, backend, 1).fits
+    baseline = backend.allocated_bytes()
+    assert not run_trial(work, model, backend, 300).fits
+    assert backend.allocated_bytes() == baseline
+    assert run_trial(work, model, backend, 230).fits

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autobatch.search import SearchOutcome, search_max
-from autobatch.trial import Trial
+from autobatch.probing.search import SearchOutcome, search_max
+from autobatch.probing.trial import Trial
 
 __all__ = [
     "Curve", "FAMILIES", "curves", "oracle", "true_max", "doubling_bisection", "measure", "Stats", "markdown", "main",

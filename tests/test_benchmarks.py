@@ -70,7 +70,7 @@ def test_main_writes_table_json_and_plot(tmp_path):
 
 def test_the_contrastive_case_grows_with_the_square_of_the_batch():
     from autobatch import SimulatedBackend
-    from autobatch.trial import run_trial
+    from autobatch.probing.trial import run_trial
 
     case = by_name("clip @ 2MiB")
     work = case.workload()

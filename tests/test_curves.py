@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from autobatch.trial import Trial
+from autobatch.probing.trial import Trial
 from benchmarks.curves import FAMILIES, Curve, curves, doubling_bisection, measure, oracle, true_max
 
 

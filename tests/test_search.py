@@ -142,6 +142,6 @@ def test_gradients_setting_small_batch_peaks_does_not_send_the_search_far_past_t
 def test_docstring_example_runs():
     import doctest
 
-    import autobatch.search
+    import autobatch.probing.search
 
-    assert doctest.testmod(autobatch.search).failed == 0
+    assert doctest.testmod(autobatch.probing.search).failed == 0

@@ -51,7 +51,7 @@ def test_each_adapter_returns_a_batch_that_trains(tool, truth):
     assert run.trials == len(run.tried) >= 1 and run.steps >= run.trials
     # One oracle: every verdict a tool saw is the scan's verdict at that batch.
     assert all(truth.fits[b] == ok for b, ok in run.tried if b in truth.fits)
-    if tool == "autobatch":
+    if tool.startswith("autobatch"):
         assert run.returned == truth.max_batch
 
 

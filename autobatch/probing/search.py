@@ -8,14 +8,16 @@ smallest failure): after ``E`` fits the model is redrawn through it and the next
 
 Guards keep a wrong model cheap:
 
-* **bounded reach**: without a prior, no trial goes past the batch that fits even if the curve
-  is a pure square from the resident memory through the largest fit, by more than a factor two
-  (so a convex curve's chord, which can be the square of the answer, is never tried);
-* **misses judged by outcome**: a trial the model said fits but failed, or said fails but fit,
-  is a miss; a miss on the same side twice running gallops (stride doubling) from the bound it
-  keeps landing on, never past the middle;
-* **bisection**: when three model-led trials have not halved the bracket, bisect it —
-  geometrically while the failure is more than four times the largest fit.
+* **bounded reach**: without a prior, no trial goes more than 1.5× past the batch that fits on
+  every curve the points allow (a quadratic from the resident memory, a max of affine pieces;
+  :func:`~autobatch.probing.memory_curve.curvature_bound`), so a convex curve's chord, which can
+  be the square of the answer, is never tried; a model drawn through one point aims low;
+* **misses judged by outcome**: a trial the model said fits but failed, or a model that moves
+  the boundary up past its own fit (it creeps), is a miss. After a failure the model aims lower,
+  twice as low each time; creeping stretches the model's step, doubling, never past the middle;
+  a model that a failure contradicts is not asked again until new points come: bisect;
+* **bisection**: when three model-led trials have not halved the bracket, or two failed running,
+  bisect — geometrically while the failure is more than four times the largest fit.
 
 It stops only when the largest batch that fits and the smallest that fails are adjacent (or
 the cap is reached), so the answer is exact whenever memory grows with the batch.

@@ -38,6 +38,7 @@ from .errors import (
 from .estimating.estimate import Estimate, estimate
 from .estimating.gpus import GPUS, GpuSpec, lookup_gpu
 from .estimating.overheads import Overheads
+from .estimating.prior import trace_prior
 from .models import load_model
 from .pipeline import Finding, find, find_plan
 from .planning.plan import LRAdvice, Plan
@@ -124,6 +125,7 @@ __all__ = [
     "Overheads",
     "Estimate",
     "estimate",
+    "trace_prior",
     # speed and reuse
     "cached_probe",
     "TuneResult",

@@ -16,6 +16,7 @@ from autobatch import Workload
 
 __all__ = [
     "Case", "CASES", "GPT2_CASES", "SMOKE_CASE", "by_name", "mlp", "conv_bn", "tiny_lm", "TinyTransformerLM", "gpt2_small",
+    "TinyCLIP", "tiny_clip",
 ]
 
 GPT2_SEQ = 32
@@ -71,6 +72,40 @@ def tiny_lm() -> torch.nn.Module:
     return TinyTransformerLM()
 
 
+class TinyCLIP(torch.nn.Module):
+    """Image and text towers scored against each other: every image with every text of the batch.
+
+    The contrastive loss's b × b similarity matrix (and its softmax, both ways, and their
+    gradients) grows with the square of the batch: at a few hundred samples it outweighs the
+    activations, which grow with the batch.
+    """
+
+    def __init__(self, features: int = 256, vocab: int = 256, dim: int = 32):
+        super().__init__()
+        self.image = torch.nn.Sequential(torch.nn.Linear(features, 128), torch.nn.ReLU(), torch.nn.Linear(128, dim))
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.text = torch.nn.Linear(dim, dim)
+        self.log_scale = torch.nn.Parameter(torch.tensor(2.659))  # log(1 / 0.07), as CLIP starts
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        i = torch.nn.functional.normalize(self.image(images), dim=-1)
+        t = torch.nn.functional.normalize(self.text(self.embed(tokens).mean(1)), dim=-1)
+        return self.log_scale.exp() * i @ t.T
+
+
+@_seeded
+def tiny_clip() -> torch.nn.Module:
+    """A two-tower contrastive model: 256 image features, 8 tokens, 32-dimensional embeddings."""
+    return TinyCLIP()
+
+
+def _clip_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    images, tokens = batch
+    logits = model(images, tokens)
+    labels = torch.arange(logits.shape[0])
+    return (torch.nn.functional.cross_entropy(logits, labels) + torch.nn.functional.cross_entropy(logits.T, labels)) / 2
+
+
 @_seeded
 def gpt2_small() -> torch.nn.Module:
     """gpt2-small (124M parameters) from its default config, randomly initialised: no download."""
@@ -96,6 +131,13 @@ def _workload(model: str) -> Workload:
             loss_fn=_lm_loss,
             name="tiny-lm",
         )
+    if model == "clip":
+        return Workload(
+            tiny_clip,
+            lambda b: (torch.randn(b, 256), torch.randint(0, 256, (b, 8))),
+            loss_fn=_clip_loss,
+            name="clip",
+        )
     if model == "gpt2":
         return Workload(
             gpt2_small,
@@ -105,7 +147,7 @@ def _workload(model: str) -> Workload:
             },
             name=f"gpt2 seq {GPT2_SEQ}",
         )
-    raise ValueError(f"model must be one of mlp, conv-bn, tiny-lm, gpt2, but got {model!r}")
+    raise ValueError(f"model must be one of mlp, conv-bn, tiny-lm, clip, gpt2, but got {model!r}")
 
 
 @dataclass(frozen=True)
@@ -113,7 +155,7 @@ class Case:
     """One benchmark case.
 
     Args:
-        model: ``mlp``, ``conv-bn``, ``tiny-lm`` or ``gpt2``.
+        model: ``mlp``, ``conv-bn``, ``tiny-lm``, ``clip`` or ``gpt2``.
         budget: the simulated device memory, e.g. ``"20MiB"``.
         scan: ``"full"`` scans every batch from the smallest allowed up; ``"window"`` (gpt2, too
             slow to scan from 1 on a CPU) scans a window around the boundary; see ``tools.true_max``.
@@ -145,6 +187,9 @@ CASES: tuple[Case, ...] = (
     Case("conv-bn", "80MiB"),
     Case("tiny-lm", "6MiB"),
     Case("tiny-lm", "30MiB"),
+    # The contrastive loss's b × b similarity matrix outweighs the activations from ~150
+    # samples: memory grows with the square of the batch (a chord through one point overshoots).
+    Case("clip", "2MiB"),
 )
 
 # gpt2-small in fp32 with AdamW (~2 GiB of weights, gradients and state): tens of seconds per

@@ -103,6 +103,7 @@ def headline(summary: dict[str, dict[str, Any]]) -> str:
     """One sentence, quoted by the README."""
     labels = {
         "autobatch": "autobatch",
+        "autobatch-trace": "autobatch with the trace as prior",
         "lightning-binsearch": "Lightning binsearch",
         "lightning-power": "Lightning power",
         "accelerate": "accelerate",
@@ -191,6 +192,8 @@ METHOD = f"""## Method
   would exceed the budget raises `torch.OutOfMemoryError("CUDA out of memory. …")`, which
   accelerate's `should_reduce_batch_size` and Lightning's `is_oom_error` both accept.
 - **autobatch**: `autobatch.probe(workload, SimulatedBackend(budget))`, defaults (2 steps per trial).
+- **autobatch-trace**: the same with `prior=autobatch.estimating.trace_prior(workload)`: the
+  fake-tensor trace, calibrated against the trials, leads the search; its time is counted.
 - **Lightning** `Tuner.scale_batch_size` in `power` and `binsearch` modes, defaults:
   `steps_per_trial=3`, `init_val=2`, `max_trials=25`, `max_val=8192`, and in binsearch the
   default `margin=0.05`, which returns 5% below the largest batch that trained (the notes give
@@ -207,8 +210,10 @@ METHOD = f"""## Method
   1) up to the first that runs out of memory, plus 8 more that must all fail (a fit there would
   break monotonicity). `window` (gpt2 only) = every batch within 8 of autobatch's answer.
 - **Cases**: an MLP (3072 → 256 → 256 → 10), a conv net with BatchNorm on 32×32 images, a
-  2-layer pre-norm transformer LM (vocab 256, width 64, 64 tokens), all AdamW in fp32, × budgets
-  chosen so the maxima run from single digits to hundreds and none is a power of two.
+  2-layer pre-norm transformer LM (vocab 256, width 64, 64 tokens), a CLIP-style two-tower model
+  whose contrastive loss scores every image against every text of the batch (its b × b
+  similarity matrix makes memory grow with the square of the batch), all AdamW in fp32, ×
+  budgets chosen so the maxima run from single digits to hundreds and none is a power of two.
 - **GPU**: none was lent to this session, so there is no real-CUDA section (gpt2 at 1024 tokens
   on an H200 is the figure still to add); `python -m benchmarks.run --gpt2` adds gpt2-small at
   32 tokens on the CPU. It is not in the table above: on this shared 2-core CPU one gpt2-small

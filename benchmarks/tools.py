@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 from autobatch import SimulatedBackend, Workload, probe
+from autobatch.estimating import trace_prior
 from autobatch.modelinfo import min_batch_for
 from autobatch.probing.trial import run_trial
 
 __all__ = [
-    "ToolRun", "Truth", "TOOLS", "ACCELERATE_START", "run_autobatch", "run_lightning", "run_accelerate", "true_max",
+    "ToolRun", "Truth", "TOOLS", "ACCELERATE_START", "run_autobatch", "run_autobatch_traced", "run_lightning",
+    "run_accelerate", "true_max",
 ]
 
 ACCELERATE_START = 1024  # above every true maximum here; accelerate's own default is 128
@@ -95,6 +97,17 @@ def run_autobatch(workload: Workload, budget: str) -> ToolRun:
     seconds = time.perf_counter() - start
     tried = tuple((t.batch, t.fits) for t in result.trials)
     return ToolRun("autobatch", result.max_batch, len(result.trials), len(counter.steps), seconds, tried)
+
+
+def run_autobatch_traced(workload: Workload, budget: str) -> ToolRun:
+    """``autobatch.probe`` with the fake-tensor trace as its search's prior (the trace's time counts)."""
+    counter = _Counter(workload)
+    start = time.perf_counter()
+    # The trace runs the loss on fake tensors: not a training step, so the uncounted workload.
+    result = probe(counter.counted(), SimulatedBackend(budget), prior=trace_prior(workload))
+    seconds = time.perf_counter() - start
+    tried = tuple((t.batch, t.fits) for t in result.trials)
+    return ToolRun("autobatch-trace", result.max_batch, len(result.trials), len(counter.steps), seconds, tried)
 
 
 def _trial_oracle(workload: Workload, budget: str) -> tuple[Callable[[int], None], _Counter, list[tuple[int, bool]]]:
@@ -271,6 +284,7 @@ def true_max(workload: Workload, budget: str, *, method: str = "full", around: i
 
 TOOLS: dict[str, Callable[[Workload, str], ToolRun]] = {
     "autobatch": run_autobatch,
+    "autobatch-trace": run_autobatch_traced,
     "lightning-power": lambda w, b: run_lightning(w, b, "power"),
     "lightning-binsearch": lambda w, b: run_lightning(w, b, "binsearch"),
     "accelerate": run_accelerate,

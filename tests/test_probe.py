@@ -15,6 +15,7 @@ from autobatch import (
     probe,
 )
 from autobatch.probing.trial import run_trial
+from autobatch.estimating import trace_prior
 from tests.tiny import TinyLM, cnn, cnn_workload, lm_workload, mlp, mlp_workload
 
 CASES = [
@@ -50,9 +51,12 @@ def test_max_equals_an_exhaustive_scan(make, budget):
     assert result.safe_peak_bytes <= result.capacity_bytes - result.headroom_bytes
 
 
-def test_median_trials_at_most_four_over_the_cases():
+def test_median_trials_at_most_five_over_the_cases_without_a_prior():
+    # Without a prior the second trial stays within 1.5× of what a curve growing as b² from the
+    # resident memory would allow (the chord could be the square of the answer), which costs
+    # these nearly affine cases a trial or two; the trace as a prior brings them to three.
     counts = [len(probe(make(), SimulatedBackend(budget)).trials) for make, budget in CASES]
-    assert statistics.median(counts) <= 4, counts
+    assert statistics.median(counts) <= 5, counts
 
 
 def test_large_max_is_exact_at_its_boundary():
@@ -63,6 +67,12 @@ def test_large_max_is_exact_at_its_boundary():
 
 def test_exact_sequence_of_batches_for_a_fixed_case():
     result = probe(lm_workload(), SimulatedBackend("2MiB"))
+    assert [(t.batch, t.fits) for t in result.trials] == [(1, True), (6, True), (16, True), (19, True), (20, False)]
+
+
+def test_the_trace_as_prior_goes_straight_to_the_boundary():
+    work = lm_workload()
+    result = probe(work, SimulatedBackend("2MiB"), prior=trace_prior(work))
     assert [(t.batch, t.fits) for t in result.trials] == [(1, True), (19, True), (20, False)]
 
 
@@ -179,3 +189,17 @@ def test_default_loss_shapes():
 
     with pytest.raises(AutobatchError, match="default_loss needs model\\(batch\\) to return a tensor or an object with a loss"):
         default_loss(Returns(), torch.randn(2, 4))
+
+
+def test_a_trial_that_ran_out_of_memory_in_backward_leaves_nothing_behind():
+    # The engine kept a failed backward's tasks (and their saved tensors) until the next
+    # backward: the next trial started with them counted and failed where it fits.
+    from benchmarks.cases import Case
+
+    work = Case("clip", "2MiB").workload()
+    backend, model = SimulatedBackend("2MiB"), work.model()
+    assert run_trial(work, model, backend, 1).fits
+    baseline = backend.allocated_bytes()
+    assert not run_trial(work, model, backend, 300).fits
+    assert backend.allocated_bytes() == baseline
+    assert run_trial(work, model, backend, 230).fits

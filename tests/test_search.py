@@ -29,22 +29,39 @@ def exhaustive(memory, capacity, min_batch=1):
     return b - 1
 
 
-def test_affine_memory_is_found_in_three_trials_with_this_exact_sequence():
-    outcome = search_max(oracle(lambda b: 100 + 7 * b, 1000, 100), 1000)
-    assert [t.batch for t in outcome.trials] == [1, 128, 129]
+def test_affine_memory_exact_sequences_with_and_without_a_prior():
+    run = oracle(lambda b: 100 + 7 * b, 1000, 100)
+    # Trials only: one point cannot tell this line from 100 + 7·b², whose answer is 11, so the
+    # second trial stays within 1.5× of 11; three points on a line rule the square out.
+    outcome = search_max(run, 1000)
+    assert [t.batch for t in outcome.trials] == [1, 16, 69, 128, 129]
     assert outcome.max_batch == 128 and outcome.limited_by == "memory"
+    # A prior that had the first trial right is trusted: its boundary, then one more.
+    assert [t.batch for t in search_max(run, 1000, prior=lambda b: 100 + 7 * b).trials] == [1, 128, 129]
+    # One that was off at the first trial aims a fifth of the headroom low, then is calibrated.
+    assert [t.batch for t in search_max(run, 1000, prior=lambda b: 7 * b).trials] == [1, 103, 128, 129]
 
 
-def test_flat_start_then_linear_is_exact():
-    # At small batches the optimizer step sets the peak; activations take over later.
-    memory = lambda b: max(5_000, 1_000 + 30 * b)  # noqa: E731
-    outcome = search_max(oracle(memory, 20_000, 1_000), 20_000)
-    assert outcome.max_batch == exhaustive(memory, 20_000) == 633
+def test_convex_memory_is_never_tried_at_the_chord():
+    # 100 + 7·b²: the chord through the first point reaches 128, the answer is 11.
+    outcome = search_max(oracle(lambda b: 100 + 7 * b * b, 1000, 100), 1000)
+    assert outcome.max_batch == 11 and max(t.batch for t in outcome.trials) <= 2.5 * 11
+    assert [t.batch for t in outcome.trials] == [1, 16, 4, 9, 11, 12]  # the chord-led search: 1, 128, …, 14 trials
+
+
+def test_flat_then_steep_is_exact_in_no_more_trials_than_doubling_and_bisection():
+    # Gradients set the peak up to b = 300, activations after: nothing in the flat part says
+    # where the steep part starts, so the search may not extrapolate the flat line.
+    memory = lambda b: 1_000 + max(5_000, 20 * b)  # noqa: E731
+    outcome = search_max(oracle(memory, 8_000, 1_000), 8_000)
+    assert outcome.max_batch == exhaustive(memory, 8_000) == 350
+    assert len(outcome.trials) == 17  # doubling + bisection: 18; the chord-led search: 20
+    assert max(t.batch for t in outcome.trials) <= 2 * 350
 
 
 @pytest.mark.parametrize("kind", ["affine", "flat", "flat-unphased", "convex", "rounded"])
 def test_exact_on_many_budgets_and_median_trials(kind):
-    trials = []
+    trials, with_prior = [], []
     for i in range(25):
         base, per = 50_000 + 7_919 * i, 1_000 + 613 * i
         capacity = base + per * (37 + 97 * i) + 11 * i
@@ -60,9 +77,17 @@ def test_exact_on_many_budgets_and_median_trials(kind):
         total = (lambda b: max(memory(b), optimizer(b))) if optimizer else memory
         assert outcome.max_batch == exhaustive(total, capacity), (kind, i)
         trials.append(len(outcome.trials))
+        guided = search_max(oracle(memory, capacity, base // 2, optimizer), capacity, prior=total)
+        assert guided.max_batch == outcome.max_batch
+        with_prior.append(len(guided.trials))
+    # Trials only, a line far above the resident memory climbs by bounded steps (a convex curve
+    # could hide behind the same points); with the curve as a prior it is three trials.
     if kind in ("affine", "flat"):
-        assert statistics.median(trials) <= 4
+        assert statistics.median(trials) <= 6
     assert max(trials) <= 25
+    assert statistics.median(with_prior) == 3
+
+
 
 
 def test_cap_is_respected_and_reported():
@@ -107,6 +132,16 @@ def test_gradients_setting_small_batch_peaks_does_not_send_the_search_far_past_t
 
     outcome = search_max(run, capacity)
     assert outcome.max_batch == 33
-    assert len(outcome.trials) <= 6
-    assert max(t.batch for t in outcome.trials) <= 4 * 33  # never a wild jump
+    assert len(outcome.trials) <= 8
+    assert max(t.batch for t in outcome.trials) <= 2.5 * 33  # never a wild jump
+    traced = search_max(run, capacity, prior=lambda b: max(fb(b), resident + grads))
+    assert [(t.batch, t.fits) for t in traced.trials] == [(1, True), (33, True), (34, False)]
 
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    import autobatch.probing.search
+
+    assert doctest.testmod(autobatch.probing.search).failed == 0

@@ -160,6 +160,7 @@ def probe(
     min_batch: int | None = None,
     headroom: float | int | str = DEFAULT_HEADROOM,
     on_trial: Callable[[Trial], None] | None = None,
+    prior: Callable[[int], float] | None = None,
 ) -> ProbeResult:
     """Find the exact largest per-device batch that trains, by running real training steps.
 
@@ -170,6 +171,9 @@ def probe(
         min_batch: the smallest batch allowed; default 2 for models with BatchNorm, else 1.
         headroom: memory kept free for ``safe_batch``: a fraction of capacity or a size.
         on_trial: called with each :class:`~autobatch.probing.trial.Trial` as it finishes.
+        prior: a predicted peak (bytes) at any batch, such as
+            :func:`autobatch.estimating.prior.trace_prior`'s; the search calibrates it against
+            the trials and needs fewer of them. The answer rests on the trials either way.
 
     Example:
         >>> import torch, autobatch
@@ -219,7 +223,7 @@ def probe(
             if error is exc:
                 raise
             raise error from exc
-        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
         lent = None
     if owned:
         del model, lent

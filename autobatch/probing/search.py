@@ -1,19 +1,23 @@
 """The search for the exact largest batch that fits, with as few trials as possible.
 
-Peak memory is close to affine in the batch, ``peak(b) ≈ a + c·b``. The search:
+Each step asks a model of the memory curve (:mod:`autobatch.probing.memory_curve`) for the largest
+batch it predicts to fit, ``E``, and tries it, clamped into the open bracket (largest fit,
+smallest failure): after ``E`` fits the model is redrawn through it and the next candidate is
+``E + 1``; after it fails, one below. The model climbs a ladder with the evidence: a prior
+(calibrated to the trials) if one is given, else chord → line → quadratic.
 
-1. tries the smallest allowed batch; from its peak and the memory that stays between steps
-   (parameters, optimizer state) it gets an upper bound on the bytes per sample, hence a batch
-   that should still fit, far from the first;
-2. fits the line through two measured points far apart and predicts the boundary ``b*``;
-3. confirms: every candidate is clamped into the open bracket (largest fit, smallest failure),
-   so after ``b*`` fits the next candidate is ``b* + 1``, and after it fails ``b* − 1``;
-4. where the curve bends up (the largest point above the line through the two before it),
-   tries the chord from the resident memory through that point, a batch that should fit;
-   where line and chord are far apart, their geometric mean, never more than 4× past the chord;
-5. where predictions keep landing on a bound without ending the search (the line is off by
-   more than one), gallops from that bound (never past the middle of the bracket) and predicts
-   again from the new points; after a few such misses it bisects.
+Guards keep a wrong model cheap:
+
+* **bounded reach**: without a prior, no trial goes more than 1.5× past the batch that fits on
+  every curve the points allow (a quadratic from the resident memory, a max of affine pieces;
+  :func:`~autobatch.probing.memory_curve.curvature_bound`), so a convex curve's chord, which can
+  be the square of the answer, is never tried; a model drawn through one point aims low;
+* **misses judged by outcome**: a trial the model said fits but failed, or a model that moves
+  the boundary up past its own fit (it creeps), is a miss. After a failure the model aims lower,
+  twice as low each time; creeping stretches the model's step, doubling, never past the middle;
+  a model that a failure contradicts is not asked again until new points come: bisect;
+* **bisection**: when three model-led trials have not halved the bracket, or two failed running,
+  bisect — geometrically while the failure is more than four times the largest fit.
 
 It stops only when the largest batch that fits and the smallest that fails are adjacent (or
 the cap is reached), so the answer is exact whenever memory grows with the batch.
@@ -21,16 +25,22 @@ the cap is reached), so the answer is exact whenever memory grows with the batch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from .memory_curve import (
+    Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, ladder, predict_batch,
+)
 from .trial import Trial
 
 __all__ = ["SearchOutcome", "search_max", "predict_batch", "chord_batch", "bends_up", "fit_line", "HARD_MAX_BATCH"]
 
 HARD_MAX_BATCH = 1 << 20  # a cap even when none is given: memory that never grows is a bug to report
-_MAX_MISSES = 4            # predictions stuck against a bound this often: plain bisection from then on
-_CHORD_REACH = 4           # how far past the chord (a batch that should fit) one step may reach
+_REACH = 1.5             # without a prior: how far past the curvature bound one trial may go
+_MARGIN = 0.2            # share of the headroom a one-point model aims low
+_TRUSTED = 0.001         # a prior this close to the first trial is trusted without a margin
+_STALLS = 3               # model-led trials that did not halve the bracket before it is bisected
 
 
 @dataclass(frozen=True)
@@ -40,75 +50,14 @@ class SearchOutcome:
     trials: tuple[Trial, ...]
 
 
-def fit_line(points: dict[int, int]) -> tuple[float, float] | None:
-    """Intercept and slope (bytes per sample) of the line through two measured points.
-
-    The anchor is the largest batch measured, the one nearest the boundary. Its partner is the
-    largest batch at least a quarter of the anchor below it (else the smallest): close enough
-    to follow any curvature, far enough that allocator rounding does not swamp the slope.
-    """
-    if len(points) < 2:
-        return None
-    anchor = max(points)
-    spaced = [b for b in points if b <= anchor - max(1, anchor // 4)]
-    partner = max(spaced) if spaced else min(points)
-    slope = (points[anchor] - points[partner]) / (anchor - partner)
-    if slope <= 0:
-        return None
-    return points[anchor] - slope * anchor, slope
-
-
-def bends_up(points: dict[int, int], tolerance: float = 0.01) -> bool:
-    """True when the largest point lies above the line through the two below it (by ``tolerance``).
-
-    Then the points straddle a change of regime (gradients setting the peak at small batches,
-    activations at large ones), and a line through them underestimates the slope ahead.
-    """
-    if len(points) < 3:
-        return False
-    b0, b1, b2 = sorted(points)[-3:]
-    slope = (points[b1] - points[b0]) / (b1 - b0)
-    return points[b2] > (points[b1] + slope * (b2 - b1)) * (1 + tolerance)
-
-
-def predict_batch(
-    phases: Sequence[dict[int, int]], resident: int | None, limit: int
-) -> int | None:
-    """The largest batch whose predicted peak stays within ``limit`` bytes, or ``None``.
-
-    Args:
-        phases: measured peaks per phase, ``{batch: bytes}``; the first is the phase that grows
-            with the batch (forward and backward). Each phase's line bounds the batch; the
-            tightest bound wins. A phase whose line is flat bounds nothing.
-        resident: bytes that stay between steps (for the chord when no line can be drawn).
-        limit: the bytes the peak may reach.
-    """
-    if fit_line(phases[0]) is not None:
-        return min(int((limit - line[0]) // line[1]) for line in map(fit_line, phases) if line is not None)
-    return chord_batch(phases[0], resident, limit)
-
-
-def chord_batch(points: dict[int, int], resident: int | None, limit: int) -> int | None:
-    """A batch that should fit: the chord from ``(0, resident)`` through the largest point.
-
-    Memory that stays between steps is live at every moment of a step, so each piece of the
-    peak's curve starts at or above ``resident``; such a curve stays under the chord beyond the
-    point, and the chord's crossing of ``limit`` is a batch that fits even when the curve bends
-    up (gradients setting the peak at small batches, activations at large ones).
-    """
-    if not points or resident is None:
-        return None
-    anchor = max(points)
-    if points[anchor] <= resident:
-        return None
-    return int((limit - resident) * anchor // (points[anchor] - resident))
-
-
 class _Search:
-    def __init__(self, run: Callable[[int], Trial], capacity: int, min_batch: int, max_batch: int):
-        self.run, self.capacity, self.cap = run, capacity, max_batch
+    def __init__(self, run: Callable[[int], Trial], capacity: int, min_batch: int, max_batch: int,
+                 prior: Curve | None):
+        self.run, self.capacity, self.cap, self.prior = run, capacity, max_batch, prior
         self.lo, self.hi = min_batch - 1, None  # largest known fit, smallest known failure
         self.phases: tuple[dict[int, int], dict[int, int]] = ({}, {})  # forward+backward, optimizer
+        self.totals: dict[int, int] = {}  # the whole step's reserved peak, for the prior
+        self.growing: dict[int, int] = {}  # the same where forward+backward, not the optimizer, set it
         self.resident: int | None = None
         self.trials: list[Trial] = []
 
@@ -127,11 +76,61 @@ class _Search:
             self.lo = max(self.lo, batch)
             self.phases[0][batch] = trial.forward_backward_bytes or trial.reserved_bytes
             self.phases[1][batch] = trial.optimizer_bytes or trial.reserved_bytes
+            self.totals[batch] = trial.reserved_bytes
+            if trial.forward_backward_bytes >= trial.optimizer_bytes:
+                self.growing[batch] = trial.reserved_bytes
             if trial.resident_bytes is not None:
                 self.resident = trial.resident_bytes
         else:
             self.hi = batch if self.hi is None else min(self.hi, batch)
         return trial.fits
+
+    def estimate(self, cautious: int = 0) -> int | None:
+        """The largest batch the model predicts to fit (may lie outside the bracket), or ``None``.
+
+        A model drawn through one point aims a fifth of the headroom low: its scale is a guess,
+        and a trial that fits is worth more than one that fails (it adds a point to the model).
+        One that has sent ``cautious`` trials running past the boundary aims twice as low each time.
+        """
+        limit = self.capacity
+        if self.prior is not None:
+            # Where the optimizer step set a point's peak, the curve changes regime after it: its
+            # error there says how many bytes per sample the prior misses, not by what factor.
+            points = self.totals
+            curve = calibrate(self.prior, points, self.growing)
+            # One point: the offset is known, the scale a guess, unless the prior already had
+            # that point right (within a tenth of a percent): then it is trusted as it is.
+            guessed = abs(points[self.lo] - self.prior(self.lo)) > _TRUSTED * points[self.lo]
+            far = len(points) == 1 and guessed and crossing(curve, limit, self.lo, self.cap) > 1.5 * self.lo
+            if far or cautious:
+                limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - points[self.lo])
+            return crossing(curve, limit, self.lo, self.cap)
+        if len(self.phases[0]) == 1 or cautious:
+            limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - self.phases[0][self.lo])
+        curve = ladder(self.phases[0], self.resident)
+        if curve is None:
+            return None
+        best = crossing(curve, limit, self.lo, self.cap)
+        # The optimizer step grows hardly, but where its line crosses first it sets the bound.
+        line = fit_line(self.phases[1])
+        if line is not None:
+            best = min(best, max(self.lo, int((self.capacity - line[0]) // line[1])))
+        return best
+
+    def reach(self) -> int:
+        """The furthest batch one trial may try."""
+        if self.prior is not None:
+            return self.cap
+        base = self.resident if self.resident is not None else 0
+        bound = curvature_bound(self.phases[0], min(base, min(self.phases[0].values())), self.capacity)
+        return int(min(self.cap, max(2 * self.lo, _REACH * int(bound)))) if math.isfinite(bound) else self.cap
+
+    def bisect(self) -> int:
+        if self.hi is None:
+            return min(2 * self.lo, self.reach())
+        if self.hi > 4 * self.lo:
+            return int(math.sqrt(self.lo * self.hi))
+        return (self.lo + self.hi) // 2
 
     def clamp(self, batch: int) -> int:
         return max(self.lo + 1, min(batch, self.upper))
@@ -139,50 +138,51 @@ class _Search:
     def search(self) -> SearchOutcome:
         if not self.attempt(self.lo + 1):
             return SearchOutcome(0, "memory", tuple(self.trials))
-        side, stride, misses = 0, 2, 0  # side: +1 predictions stuck above lo, -1 stuck below hi
+        side, streak, stalls = 0, 0, 0  # side: +1 misses that fit (model too low), -1 that failed
+        placed = None  # a fit where a settled model put the boundary: does the model stay there?
+        bisecting = False
         while not self.done:
-            middle = None if self.hi is None else (self.lo + self.hi) // 2
-            prediction = chord = None
-            if misses < _MAX_MISSES:
-                prediction = predict_batch(self.phases, self.resident, self.capacity)
-                chord = chord_batch(self.phases[0], self.resident, self.capacity)
-                # The line overshoots where the curve bends up, or where gradients, not activations,
-                # set the small batches' peaks (a flat line); the chord should fit. Far apart (or the
-                # line past a failure), try their geometric mean, never more than 4× past the chord.
-                if prediction is not None and chord is not None and chord > self.lo:
-                    ceiling = prediction if self.hi is None else min(prediction, self.hi - 1)
-                    if chord < ceiling and bends_up(self.phases[0]):
-                        # The largest point sits above the line through the two before it: it is in the
-                        # regime that sets the boundary, and so is the chord through it.
-                        prediction = chord
-                    elif chord < ceiling / 2 or (self.hi is not None and prediction >= self.hi):
-                        prediction = min(int((chord * max(chord, ceiling)) ** 0.5), _CHORD_REACH * chord)
-            if prediction is None:
-                batch = self.clamp(2 * self.lo if middle is None else middle)
+            width = self.upper - self.lo
+            settled = side >= 0 and len(self.totals) > 1
+            guess = self.estimate(0 if settled else streak)
+            if placed is not None:
+                if guess is not None and guess > placed:
+                    # The model moved the boundary up past its own fit: it creeps (a staircase's
+                    # flat stretch, a slope read low); a miss that fit.
+                    side, streak = 1, streak + 1 if side > 0 else 1
+                else:
+                    side, streak = 0, 0
+                placed = None
+            # A model that puts a failed batch within reach has been contradicted by a trial; without
+            # a prior to be cautious with, nothing says by how much, so bisect.
+            contradicted = self.prior is None and guess is not None and self.hi is not None and guess >= self.hi
+            # Twice past the boundary running, or a bracket the model has stopped halving: the
+            # model is off by more than it can tell (a staircase near its edge); bisect from now on.
+            if stalls >= _STALLS or (side < 0 and streak >= 2):
+                bisecting, stalls, side, streak = True, 0, 0, 0
+            elif bisecting:
+                bisecting = False  # one bisection, then the model again on the new bracket
+            if bisecting or guess is None or contradicted:
+                batch, led = self.clamp(self.bisect()), False
             else:
-                batch = self.clamp(prediction)
-                # Clamped onto a bound means the prediction points outside the bracket: the line is
-                # off by more than one. Stepping by one would walk; gallop instead, never past the middle.
-                if side > 0 and batch == self.lo + 1:
-                    batch = self.clamp(self.lo + stride if middle is None else min(self.lo + stride, middle))
-                    stride *= 2
-                elif side < 0 and self.hi is not None and batch == self.hi - 1:
-                    batch = self.clamp(max(self.hi - stride, middle))
-                    stride *= 2
-            lo, hi = self.lo, self.hi
+                batch, led = self.clamp(min(guess, self.reach())), True
+                if side > 0 and streak:
+                    # The model keeps landing short: stretch its step, doubling, never past the middle.
+                    stride = max(1, batch - self.lo) << streak
+                    batch = self.clamp(min(self.lo + stride, self.reach() if self.hi is None else self.bisect()))
             fits = self.attempt(batch)
             if self.done:
                 break
-            # A first miss sets the gallop's stride to a sixty-fourth of the bracket: allocator
-            # rounding makes the boundary fuzzy by a share of the batch, not by a fixed count.
-            if prediction is not None and fits and batch == lo + 1:
-                if side != 1:
-                    stride = max(2, ((self.hi or 2 * self.lo) - self.lo) // 64)
-                side, misses = 1, misses + 1
-            elif prediction is not None and not fits and hi is not None and batch == hi - 1:
-                if side != -1:
-                    stride = max(2, (self.hi - self.lo) // 64)
-                side, misses = -1, misses + 1
+            if led:
+                if self.hi is not None:
+                    stalls = stalls + 1 if self.upper - self.lo > width / 2 else 0
+                said_fits = batch <= guess
+                if fits and batch == guess and settled:
+                    placed = batch
+                elif fits != said_fits:
+                    side, streak = (1 if fits else -1), (streak + 1 if side == (1 if fits else -1) else 1)
+                else:
+                    side, streak = 0, 0
         limited = "max_batch" if self.lo == self.cap and self.hi is None else "memory"
         return SearchOutcome(self.lo, limited, tuple(self.trials))
 
@@ -193,6 +193,7 @@ def search_max(
     *,
     min_batch: int = 1,
     max_batch: int | None = None,
+    prior: Curve | None = None,
 ) -> SearchOutcome:
     """Find the largest batch ``b`` (``min_batch ≤ b ≤ max_batch``) for which ``run(b).fits``.
 
@@ -202,13 +203,18 @@ def search_max(
             the answer always rests on trials that fit and fail.
         min_batch: the smallest batch allowed (2 for BatchNorm models).
         max_batch: an explicit cap; the outcome says when the cap, not memory, was the limit.
+        prior: a predicted peak in bytes at any batch (nondecreasing), e.g. from the fake-tensor
+            trace (:func:`autobatch.estimate`); calibrated to the trials as they come, so a
+            constant or proportional error in it costs nothing.
 
     Example:
         >>> from autobatch.probing.trial import Trial
         >>> oracle = lambda b: Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
         >>> outcome = search_max(oracle, 1000)
         >>> outcome.max_batch, [t.batch for t in outcome.trials]
-        (128, [1, 128, 129])
+        (128, [1, 16, 69, 128, 129])
+        >>> [t.batch for t in search_max(oracle, 1000, prior=lambda b: 100 + 7 * b).trials]
+        [1, 128, 129]
     """
     cap = HARD_MAX_BATCH if max_batch is None else max_batch
-    return _Search(run, capacity, min_batch, cap).search()
+    return _Search(run, capacity, min_batch, cap, prior).search()

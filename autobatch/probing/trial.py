@@ -80,6 +80,16 @@ def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _drain_autograd(device: torch.device) -> None:
+    """Run an empty backward on ``device``: the engine drops the tasks of a backward that raised.
+
+    A backward that ran out of memory leaves its remaining tasks, and the saved tensors they
+    hold, in the engine's queue for the device until the next backward there; they would count
+    against the next trial, which then fails where it fits.
+    """
+    torch.zeros((), device=device, requires_grad=True).backward()
+
+
 class _Peaks:
     """Running maxima of the backend's peaks, per phase."""
 
@@ -135,6 +145,8 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
         finally:
             del optimizer
             model.zero_grad(set_to_none=True)
+    if error is not None:
+        _drain_autograd(backend.device)
     backend.release()
     fits = error is None
     return Trial(

@@ -1,0 +1,221 @@
+"""Models of a step's peak memory against the batch, drawn from the trials that fit.
+
+The search (:mod:`autobatch.probing.search`) asks these models where the capacity is crossed; the
+answer always rests on trials, the models only choose which to run. Each model is a curve
+``peak(b)`` in bytes, climbing a ladder as the trials give evidence:
+
+* one point: the **chord** from ``(0, resident)`` through it (memory that stays between steps is
+  live at every moment of a step, so every piece of the curve starts at or above it);
+* two points: the **line** through them;
+* a point above the chord through a smaller one proves the curve bends up: the **quadratic**
+  through the resident memory and the two points (the most curved the points allow, so its
+  crossing is a batch that fits); three points: the quadratic through them;
+* a **prior** (a predicted curve, e.g. the fake-tensor trace's) is calibrated to the points:
+  shifted to the largest, and scaled by two far apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container, Sequence
+
+__all__ = [
+    "Curve", "fit_line", "bends_up", "chord_batch", "predict_batch", "crossing", "ladder", "calibrate", "curvature_bound",
+]
+
+Curve = Callable[[int], float]  # predicted peak bytes at a batch
+
+
+def fit_line(points: dict[int, int]) -> tuple[float, float] | None:
+    """Intercept and slope (bytes per sample) of the line through two measured points.
+
+    The anchor is the largest batch measured, the one nearest the boundary. Its partner is the
+    largest batch at least a quarter of the anchor below it (else the smallest): close enough
+    to follow any curvature, far enough that allocator rounding does not swamp the slope.
+    """
+    if len(points) < 2:
+        return None
+    anchor = max(points)
+    partner = _partner(points)
+    slope = (points[anchor] - points[partner]) / (anchor - partner)
+    if slope <= 0:
+        return None
+    return points[anchor] - slope * anchor, slope
+
+
+def _partner(points: dict[int, int] | Sequence[int]) -> int:
+    anchor = max(points)
+    spaced = [b for b in points if b <= anchor - max(1, anchor // 4)]
+    return max(spaced) if spaced else min(points)
+
+
+def bends_up(points: dict[int, int], tolerance: float = 0.01) -> bool:
+    """True when the largest point lies above the line through the two below it (by ``tolerance``)."""
+    if len(points) < 3:
+        return False
+    b0, b1, b2 = sorted(points)[-3:]
+    slope = (points[b1] - points[b0]) / (b1 - b0)
+    return points[b2] > (points[b1] + slope * (b2 - b1)) * (1 + tolerance)
+
+
+def predict_batch(phases: Sequence[dict[int, int]], resident: int | None, limit: int) -> int | None:
+    """The largest batch whose predicted peak stays within ``limit`` bytes, or ``None``.
+
+    Args:
+        phases: measured peaks per phase, ``{batch: bytes}``; the first is the phase that grows
+            with the batch (forward and backward). Each phase's line bounds the batch; the
+            tightest bound wins. A phase whose line is flat bounds nothing.
+        resident: bytes that stay between steps (for the chord when no line can be drawn).
+        limit: the bytes the peak may reach.
+    """
+    if fit_line(phases[0]) is not None:
+        return min(int((limit - line[0]) // line[1]) for line in map(fit_line, phases) if line is not None)
+    return chord_batch(phases[0], resident, limit)
+
+
+def chord_batch(points: dict[int, int], resident: int | None, limit: int) -> int | None:
+    """Where the chord from ``(0, resident)`` through the largest point reaches ``limit``.
+
+    A curve made of affine pieces that each start at or above ``resident`` stays under this
+    chord beyond the point, so for such curves the chord's crossing is a batch that fits.
+    """
+    if not points or resident is None:
+        return None
+    anchor = max(points)
+    if points[anchor] <= resident:
+        return None
+    return int((limit - resident) * anchor // (points[anchor] - resident))
+
+
+def curvature_bound(points: dict[int, int], resident: int, limit: int) -> float:
+    """A batch that fits on every curve the points allow, of the kinds memory makes.
+
+    Those kinds: ``a + c·b + q·b²`` with ``a ≥ resident`` and ``c, q ≥ 0`` (activations,
+    attention across the batch), and a max of affine pieces that each start at or above
+    ``resident`` (gradients setting the small batches' peak, activations the large ones').
+    For the first, the most curved such quadratic through the two largest points; for the
+    second, the chord from ``resident`` through the largest. A step may not reach much past
+    the smaller of the two: nothing measured rules out the curve that reaches it.
+    """
+    anchor = max(points)
+    rise = points[anchor] - resident
+    if rise <= 0:
+        return math.inf
+    headroom = max(0.0, limit - resident)
+    chord = anchor * headroom / rise
+    square = anchor * math.sqrt(headroom / rise)  # resident + k·b² through the anchor: always allowed
+    if len(points) < 2:
+        return square
+    x1 = max(b for b in points if b < anchor)
+    y1, y2, x2 = points[x1] - resident, rise, anchor
+    candidates = []
+    q = (y2 / x2 - y1 / x1) / (x2 - x1)  # through the resident memory
+    if q > 0 and y1 / x1 - q * x1 >= 0:
+        candidates.append((q, 0.0, y1 / x1 - q * x1))
+    q = (y2 - y1) / (x2 * x2 - x1 * x1)  # no linear term
+    if q > 0 and y1 - q * x1 * x1 >= 0:
+        candidates.append((q, y1 - q * x1 * x1, 0.0))
+    if not candidates:
+        return square
+    q, a, c = max(candidates)
+    reach = (-c + math.sqrt(c * c + 4 * q * max(0.0, headroom - a))) / (2 * q)
+    return min(chord, max(square, reach))
+
+
+def crossing(curve: Curve, limit: float, lo: int, hi: int) -> int:
+    """The largest ``b`` in ``[lo, hi]`` with ``curve(b) ≤ limit`` (``lo − 1`` if none); ``curve`` nondecreasing.
+
+    Gallops up from ``lo`` before bisecting, so the curve is asked about batches near the answer
+    only (a traced prior traces where it is asked).
+    """
+    if curve(lo) > limit:
+        return lo - 1
+    step = max(1, lo)
+    while lo + step < hi and curve(lo + step) <= limit:
+        lo, step = lo + step, 2 * step
+    hi = min(hi, lo + step)
+    if curve(hi) <= limit:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if curve(mid) <= limit else (lo, mid)
+    return lo
+
+
+def _quadratic(p: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """``(a, c, q)`` of ``a + c·b + q·b²`` through three points."""
+    (x0, y0), (x1, y1), (x2, y2) = p
+    d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    q = (d12 - d01) / (x2 - x0)
+    c = d01 - q * (x0 + x1)
+    return y0 - c * x0 - q * x0 * x0, c, q
+
+
+def _rising(a: float, c: float, q: float) -> Curve | None:
+    """The quadratic as a nondecreasing curve (flat before its vertex), or ``None`` if it never rises."""
+    if q < 0 or (q == 0 and c <= 0):
+        return None
+    vertex = max(0.0, -c / (2 * q)) if q > 0 else 0.0
+    return lambda b: a + c * max(b, vertex) + q * max(b, vertex) ** 2
+
+
+def ladder(points: dict[int, int], resident: int | None) -> Curve | None:
+    """The curve the points support (see the module docstring), or ``None`` (a flat line)."""
+    if not points:
+        return None
+    base = 0 if resident is None else min(resident, min(points.values()))
+    anchor = max(points)
+    if len(points) == 1:
+        rise = points[anchor] - base
+        return None if rise <= 0 else (lambda b: base + rise * b / anchor)
+    partner = _partner(points)
+    ya, yp = points[anchor], points[partner]
+    if len(points) >= 3:
+        below = [b for b in points if b < partner]
+        third = _partner(below + [partner]) if below else max(b for b in points if b not in (anchor, partner))
+        curve = _rising(*_quadratic(sorted((b, points[b]) for b in (third, partner, anchor))))
+        if curve is not None:
+            return curve
+    if (ya - base) * partner > (yp - base) * anchor * 1.001:
+        # Above the chord through the partner: the curve bends up.
+        return _rising(*_quadratic([(0, base), (partner, yp), (anchor, ya)]))
+    slope = (ya - yp) / (anchor - partner)
+    return None if slope <= 0 else (lambda b: ya + slope * (b - anchor))
+
+
+def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int] = ()) -> Curve:
+    """``prior`` moved onto the measured peaks: ``α + β·prior(b) + γ·b`` through the largest ones.
+
+    One point fixes the offset ``α``; two also the scale ``β`` (a proportional error); three
+    also ``γ`` (a per-sample error the trace cannot see, such as a kernel's workspace): the
+    prior then only has to have the right curvature. The largest points count: near the
+    boundary is where the curve has to be right.
+    """
+    top = sorted(totals)[-3:]
+    ys = [totals[b] for b in top]
+    ps = [prior(b) for b in top]
+    # Three points close together read allocator rounding as curvature: only when spread.
+    if len(top) == 3 and top[1] - top[0] >= top[2] // 64 and top[2] - top[1] >= top[2] // 64:
+        # Solve the 3×3 system by elimination on differences.
+        d1 = ((ys[1] - ys[0]), (ps[1] - ps[0]), (top[1] - top[0]))
+        d2 = ((ys[2] - ys[1]), (ps[2] - ps[1]), (top[2] - top[1]))
+        det = d1[1] * d2[2] - d2[1] * d1[2]
+        if det != 0:
+            beta = (d1[0] * d2[2] - d2[0] * d1[2]) / det
+            gamma = (d1[1] * d2[0] - d2[1] * d1[0]) / det
+            if 0.25 <= beta <= 4:
+                alpha = ys[2] - beta * ps[2] - gamma * top[2]
+                return lambda b: alpha + beta * prior(b) + gamma * b
+    anchor = max(totals)
+    scale = per_sample = 0.0
+    if len(totals) >= 2:
+        partner = _partner(totals)
+        if partner in proportional:
+            spread = prior(anchor) - prior(partner)
+            if spread > 0:
+                scale = min(2.0, max(0.5, (totals[anchor] - totals[partner]) / spread)) - 1
+        else:
+            miss = (totals[anchor] - prior(anchor)) - (totals[partner] - prior(partner))
+            per_sample = miss / (anchor - partner)
+    offset = totals[anchor] - (1 + scale) * prior(anchor) - per_sample * anchor
+    return lambda b: offset + (1 + scale) * prior(b) + per_sample * b

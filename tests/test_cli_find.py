@@ -86,8 +86,8 @@ def test_hf_config_directory_works_offline(tmp_path):
     "args, message",
     [
         (["--model", "gpt5", "--device", "cpu", "--memory", "1GiB"], "unknown model 'gpt5'; built-in models are gpt2"),
-        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "lots"], "memory must be a number with an optional unit"),
-        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "0"], "target must be a positive integer"),
+        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "lots"], "--memory must be a positive size with an optional unit"),
+        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "0"], "--target must be ≥ 1, but got '0'"),
         (["--model", "missing.py:build", "--device", "cpu", "--memory", "2MiB"], "model file 'missing.py' does not exist"),
         (["--model", "tiny-mlp", "--device", "cpu"], "needs a simulated memory budget"),
         (["--model", "tiny-gpt2", "--seq-len", "4096", "--device", "cpu", "--memory", "2MiB"], "seq_len must be between 1"),

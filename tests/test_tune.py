@@ -150,8 +150,8 @@ def test_unreachable_target_and_bad_arguments_say_why(tmp_path):
 
 # docs/tune-and-cache.md shows these commands; they run here one to one.
 DOC_COMMANDS = [
-    "tune --model tiny-mlp --target 16 --trials 3 --device cpu --memory 2MiB --max-batch 16 --timed-steps 2",
-    "tune --model tiny-mlp --target 16 --trials 2 --device cpu --memory 2MiB --max-batch 16 --timed-steps 2 "
+    "tune --model tiny-mlp --target 16 --trials 3 --device cpu --memory 2MiB --max-micro 16 --timed-steps 2",
+    "tune --model tiny-mlp --target 16 --trials 2 --device cpu --memory 2MiB --max-micro 16 --timed-steps 2 "
     "--plot tune.png",
     "cache list",
     "cache clear",
@@ -185,12 +185,12 @@ def test_cli_json_and_errors(tmp_path, monkeypatch):
     pytest.importorskip("autobatch.models")
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path / "cache"))
     runner = CliRunner()
-    base = "tune --model tiny-mlp --target 8 --trials 1 --device cpu --memory 2MiB --max-batch 8 --timed-steps 1"
+    base = "tune --model tiny-mlp --target 8 --trials 1 --device cpu --memory 2MiB --max-micro 8 --timed-steps 1"
     result = runner.invoke(app, [*base.split(), "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["best"]["plan"]["global_batch"] == 8 and data["max_micro"] == {"off": 8}
-    bad = runner.invoke(app, [*base.split(), "--checkpointing", "sometimes"])
-    assert bad.exit_code == 2 and "--checkpointing must be auto, both, on or off" in bad.output
+    bad = runner.invoke(app, [*base.split(), "--grad-checkpointing", "sometimes"])
+    assert bad.exit_code == 2 and "unexpected extra argument(s) (sometimes)" in bad.stderr
     listed = runner.invoke(app, ["cache", "list", "--json"])
     assert json.loads(listed.stdout)["entries"][0]["max_batch"] == 8

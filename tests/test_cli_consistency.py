@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from autobatch.cli import app
 from autobatch.cli._app import COMMAND_ORDER
+from tests.extras import need
 
 runner = CliRunner()
 MODEL_OPTIONS = {"--model", "--seq-len", "--input-shape", "--num-classes", "--trust-remote-code"}
@@ -261,7 +262,7 @@ def test_json_errors_are_json_on_stdout_and_one_line_on_stderr(args):
 
 
 def test_find_json_with_plot_still_writes_the_plot(tmp_path):
-    pytest.importorskip("matplotlib", reason="needs the plot extra: pip install -e '.[plot]'")
+    need("matplotlib")
     png = tmp_path / "p.png"
     res = invoke("find", "--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "2MiB",
                  "--max-micro", "8", "--plot", str(png), "--json")
@@ -282,7 +283,7 @@ def test_models_lists_without_building_or_importing_transformers():
 
 
 def test_stored_parameter_counts_are_what_the_models_have():
-    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    need("transformers")
     from autobatch.models import BUILTIN_MODELS, count_parameters
 
     for name, builtin in BUILTIN_MODELS.items():

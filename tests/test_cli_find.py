@@ -13,6 +13,7 @@ from autobatch import SimulatedBackend, probe
 from autobatch.cli import app
 from autobatch.configs import deepspeed_config
 from autobatch.models import load_model
+from tests.extras import need
 
 runner = CliRunner()
 
@@ -75,7 +76,7 @@ def test_own_model_from_a_file(tmp_path):
 
 
 def test_hf_config_directory_works_offline(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=64).save_pretrained(tmp_path)
     res = invoke("find", "--model", f"hf:{tmp_path}", "--seq-len", "32", "--device", "cpu", "--memory", "4MiB", "--json")
     assert res.exit_code == 0, res.output
@@ -161,7 +162,7 @@ def test_second_find_is_cached_and_no_cache_probes_again():
 
 
 def test_find_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    need("matplotlib")
     png = tmp_path / "probe.png"
     res = invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--plot", str(png))
     assert res.exit_code == 0, res.output

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from autobatch.cli import app
+from tests.extras import need
 
 runner = CliRunner()
 VOCAB = 53
@@ -110,7 +111,7 @@ def test_a_missing_registry_is_explained(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.fixture
 def registry() -> None:
-    pytest.importorskip("autobatch.models")
+    need("autobatch.models")
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "gradient-accumulation.md"

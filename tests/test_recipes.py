@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.extras import need
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TIMEOUT_S = 120  # generous: the CPU is shared; alone each recipe takes a few seconds
@@ -76,7 +77,7 @@ def test_readme_lists_each_recipes_run_command() -> None:
 def test_recipe_runs_as_its_header_says(name: str, tmp_path: Path) -> None:
     needs, sentinels = EXPECTED[name]
     if needs is not None:
-        pytest.importorskip(needs)
+        need(needs)
     args = shlex.split(run_command(name))
     assert args[:2] == ["python", f"recipes/{name}.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}

@@ -21,6 +21,7 @@ from autobatch.cli import app
 from autobatch.planning.solver import NoExactPlanError
 from autobatch.tuning.candidates import candidate_plans, time_plan
 from autobatch.tuning.tune import SlowerThanBestPruner, list_studies, tune
+from tests.extras import need
 
 
 class Checkpointable(torch.nn.Module):
@@ -165,8 +166,8 @@ def test_doc_shows_exactly_these_commands():
 
 
 def test_cli_commands_of_the_doc(tmp_path, monkeypatch):
-    pytest.importorskip("autobatch.models")
-    pytest.importorskip("matplotlib")
+    need("autobatch.models")
+    need("matplotlib")
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
@@ -182,7 +183,7 @@ def test_cli_commands_of_the_doc(tmp_path, monkeypatch):
 
 
 def test_cli_json_and_errors(tmp_path, monkeypatch):
-    pytest.importorskip("autobatch.models")
+    need("autobatch.models")
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path / "cache"))
     runner = CliRunner()
     base = "tune --model tiny-mlp --target 8 --trials 1 --device cpu --memory 2MiB --max-micro 8 --timed-steps 1"

@@ -5,7 +5,8 @@
 * ``hf:NAME_OR_DIR``: a transformers config (a local directory works offline; remote code only
   with ``trust_remote_code=True``);
 * ``path/to/file.py:fn`` or ``package.module:fn``: ``fn()`` returns an ``nn.Module`` (trained as a
-  classifier on random inputs of ``input_shape``) or a complete :class:`~autobatch.Workload`.
+  classifier on random inputs of ``input_shape``) or a complete :class:`~autobatch.Workload`. The
+  file or module is imported, so its code runs, as ``python file.py`` would run it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from .errors import AutobatchError, MissingDependencyError
 from .probing.workload import Workload, default_loss
 
-__all__ = ["ModelSource", "BUILTIN_MODELS", "load_model", "list_models", "count_parameters"]
+__all__ = ["ModelSource", "BUILTIN_MODELS", "load_model", "load_layers", "list_models", "count_parameters"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class _Builtin:
     config: dict[str, Any]
     seq_len: int                # default worst-case sequence length
     description: str
+    parameters: int             # what count_parameters() returns (a test checks it), so listing builds nothing
 
 
 _LLAMA_1B = dict(
@@ -61,22 +63,22 @@ _LLAMA_1B = dict(
     rope_theta=500000.0,
 )
 BUILTIN_MODELS: dict[str, _Builtin] = {
-    "gpt2": _Builtin("gpt2", {}, 1024, "GPT-2 small, 124M"),
-    "gpt2-medium": _Builtin("gpt2", dict(n_embd=1024, n_layer=24, n_head=16), 1024, "GPT-2 medium, 355M"),
-    "gpt2-large": _Builtin("gpt2", dict(n_embd=1280, n_layer=36, n_head=20), 1024, "GPT-2 large, 774M"),
-    "gpt2-xl": _Builtin("gpt2", dict(n_embd=1600, n_layer=48, n_head=25), 1024, "GPT-2 XL, 1.5B"),
-    "llama-1b": _Builtin("llama", _LLAMA_1B, 2048, "Llama-3.2-1B-style decoder (GQA, RoPE, SwiGLU)"),
-    "bert-base": _Builtin("bert", {}, 512, "BERT base encoder, masked LM"),
+    "gpt2": _Builtin("gpt2", {}, 1024, "GPT-2 small, 124M", 124_439_808),
+    "gpt2-medium": _Builtin("gpt2", dict(n_embd=1024, n_layer=24, n_head=16), 1024, "GPT-2 medium, 355M", 354_823_168),
+    "gpt2-large": _Builtin("gpt2", dict(n_embd=1280, n_layer=36, n_head=20), 1024, "GPT-2 large, 774M", 774_030_080),
+    "gpt2-xl": _Builtin("gpt2", dict(n_embd=1600, n_layer=48, n_head=25), 1024, "GPT-2 XL, 1.5B", 1_557_611_200),
+    "llama-1b": _Builtin("llama", _LLAMA_1B, 2048, "Llama-3.2-1B-style decoder (GQA, RoPE, SwiGLU)", 1_235_814_400),
+    "bert-base": _Builtin("bert", {}, 512, "BERT base encoder, masked LM", 109_514_298),
     "tiny-gpt2": _Builtin("gpt2", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=256, n_positions=128), 64,
-                          "2-layer GPT-2 for tests and CPU runs"),
+                          "2-layer GPT-2 for tests and CPU runs", 37_760),
     "tiny-llama": _Builtin("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                         max_position_embeddings=128), 64, "2-layer Llama-style decoder"),
+                                         max_position_embeddings=128), 64, "2-layer Llama-style decoder", 34_976),
     "tiny-bert": _Builtin("bert", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                        intermediate_size=64, vocab_size=256, max_position_embeddings=128), 64,
-                          "2-layer BERT encoder"),
-    "tiny-mlp": _Builtin("mlp", {}, 0, "3-layer MLP classifier on 64 features"),
-    "tiny-cnn": _Builtin("cnn", {}, 0, "conv net with BatchNorm on 3×32×32 images (needs batch ≥ 2)"),
+                          "2-layer BERT encoder", 30_880),
+    "tiny-mlp": _Builtin("mlp", {}, 0, "3-layer MLP classifier on 64 features", 85_002),
+    "tiny-cnn": _Builtin("cnn", {}, 0, "conv net with BatchNorm on 3×32×32 images (needs batch ≥ 2)", 5_514),
 }
 
 
@@ -129,9 +131,8 @@ def _lm_source(name: str, config: Any, family: str, seq_len: int | None, default
     seq = default_seq if seq_len is None else seq_len
     limit = _max_positions(config)
     if seq < 1 or (limit is not None and seq > limit):
-        raise AutobatchError(
-            f"seq_len must be between 1 and the model's {limit} positions, but got seq_len={seq}; pass a shorter --seq-len"
-        )
+        fix = "; pass a shorter --seq-len" if seq >= 1 else ""
+        raise AutobatchError(f"seq_len must be between 1 and the model's {limit} positions, but got seq_len={seq}{fix}")
     model, task = _hf_model(config, family, trust_remote_code)
     return ModelSource(name, model, _lm_batches(config.vocab_size, seq, task), task=task, seq_len=seq,
                        vocab_size=config.vocab_size)
@@ -193,6 +194,34 @@ def _import_function(spec: str) -> Callable[[], Any]:
     return fn
 
 
+def _user_model(spec: str) -> tuple[torch.nn.Module, Workload | None]:
+    """Import and call ``file.py:fn`` or ``module:fn``: its model, and the Workload if it returned one."""
+    built = _import_function(spec)()
+    if isinstance(built, Workload):
+        return (built.model if isinstance(built.model, torch.nn.Module) else built.model()), built
+    if not isinstance(built, torch.nn.Module):
+        raise AutobatchError(
+            f"{spec} must return a torch.nn.Module or an autobatch.Workload, but returned {type(built).__name__}"
+        )
+    return built, None
+
+
+def load_layers(spec: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The model named by ``spec`` built on the meta device: its layers, with no memory and no input.
+
+    What ``autobatch check --model`` needs to find BatchNorm: unlike :func:`load_model` it never
+    asks for an input shape or a sequence length (``file.py:fn`` and ``module:fn`` still run ``fn``).
+
+    Example:
+        >>> type(load_layers("tiny-cnn")[1]).__name__
+        'BatchNorm2d'
+    """
+    with torch.device("meta"):  # only the layers matter: no weights in memory, even for gpt2-xl
+        if ":" in spec and not spec.startswith("hf:"):
+            return _user_model(spec)[0]
+        return load_model(spec, trust_remote_code=trust_remote_code).model
+
+
 def load_model(
     spec: str,
     *,
@@ -204,7 +233,7 @@ def load_model(
     """Build the model named by ``spec`` with random weights, and its batches.
 
     Args:
-        spec: a built-in name, ``hf:NAME_OR_DIR``, ``file.py:fn`` or ``module:fn``.
+        spec: a built-in name, ``hf:NAME_OR_DIR``, ``file.py:fn`` or ``module:fn`` (imported and run).
         seq_len: tokens per sample for language models (default: the model's usual length).
         input_shape: per-sample input shape for your own ``nn.Module`` (e.g. ``"3,224,224"``).
         num_classes: classes for the classification loss of your own ``nn.Module``.
@@ -236,20 +265,15 @@ def load_model(
         return _lm_source(spec, config, getattr(config, "model_type", ""), seq_len, min(_max_positions(config) or 1024, 1024),
                           trust_remote_code)
     if ":" in spec:
-        built = _import_function(spec)()
-        if isinstance(built, Workload):
-            model = built.model if isinstance(built.model, torch.nn.Module) else built.model()
-            return ModelSource(spec, model, built.make_batch, built.loss_fn, task="custom", workload=built)
-        if not isinstance(built, torch.nn.Module):
-            raise AutobatchError(
-                f"{spec} must return a torch.nn.Module or an autobatch.Workload, but returned {type(built).__name__}"
-            )
+        model, workload = _user_model(spec)
+        if workload is not None:
+            return ModelSource(spec, model, workload.make_batch, workload.loss_fn, task="custom", workload=workload)
         shape = _parse_shape(input_shape)
         if shape is None:
             raise AutobatchError(
                 f"{spec} returned an nn.Module, so the input shape per sample is needed; pass --input-shape, e.g. 3,224,224"
             )
-        return _classifier(spec, built, shape, num_classes)
+        return _classifier(spec, model, shape, num_classes)
     raise AutobatchError(
         f"unknown model {spec!r}; built-in models are {', '.join(BUILTIN_MODELS)}; "
         "or pass hf:NAME_OR_DIR, path/to/file.py:function or package.module:function"
@@ -270,9 +294,12 @@ def count_parameters(name: str) -> int:
 
 
 def list_models() -> list[dict[str, Any]]:
-    """Name, family, default sequence length, parameter count and description of each built-in."""
+    """Name, family, default sequence length, parameter count and description of each built-in.
+
+    Instant: the counts are stored with each model (nothing is built, transformers is not imported).
+    """
     return [
-        {"name": name, "family": b.family, "seq_len": b.seq_len or None, "parameters": count_parameters(name),
+        {"name": name, "family": b.family, "seq_len": b.seq_len or None, "parameters": b.parameters,
          "description": b.description}
         for name, b in BUILTIN_MODELS.items()
     ]

@@ -11,11 +11,12 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from tests.extras import need
 
 
 def deepspeed_parse(config: dict[str, Any] | str, world_size: int) -> Any:
     """``deepspeed.runtime.config.DeepSpeedConfig(config)`` on ``world_size`` data-parallel ranks."""
-    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    ds_config = need("deepspeed.runtime.config")
 
     class Mpu:
         def get_data_parallel_world_size(self) -> int:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from autobatch.checking.accumulation import LossNormaliser, count_loss_samples, count_loss_tokens, token_cross_entropy
 from autobatch.errors import AutobatchError
 from autobatch.checking.ga_batches import padded_lm_batch, split_batch
+from tests.extras import need
 
 VOCAB, SEQ = 29, 12
 
@@ -193,7 +194,7 @@ def test_sample_helper_with_unequal_micro_batches_equals_the_big_batch() -> None
 
 
 def tiny_gpt2():  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "accelerate")
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64, bos_token_id=None, eos_token_id=None,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout would make the two runs differ
@@ -240,7 +241,7 @@ def helper_trainer_class():  # type: ignore[no-untyped-def]
 
 def trainer_step_error(model: torch.nn.Module, batch: dict[str, torch.Tensor], tmp_path, path: str) -> float:  # type: ignore[no-untyped-def]
     """One real Trainer step (SGD, lr 1, no clipping) of 2 per device × GA 4: -Δparams is the gradient."""
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "accelerate")
     reference = copy.deepcopy(model)
     reference(**batch).loss.backward()
     big = grads(reference)
@@ -271,7 +272,7 @@ def trainer_step_error(model: torch.nn.Module, batch: dict[str, torch.Tensor], t
 
 
 def tiny_llama():  # type: ignore[no-untyped-def]
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "accelerate")
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         vocab_size=97, bos_token_id=None, eos_token_id=None, pad_token_id=None,
@@ -301,7 +302,7 @@ def test_hf_trainer_counts_gpt2_labels_unshifted_unless_loss_type_is_set(tmp_pat
 
 def test_accelerate_loop_from_the_docs_matches_the_big_batch() -> None:
     """docs: accelerate's ``backward`` divides by gradient_accumulation_steps; multiplying undoes it."""
-    accelerate = pytest.importorskip("accelerate")
+    accelerate = need("accelerate")
     torch.manual_seed(0)
     model, batch = TinyLM(), padded_lm_batch(8, SEQ, VOCAB)
     big = big_batch_grad(model, batch)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.extras import need
 
-pytest.importorskip("lightning")
-pytest.importorskip("accelerate")
+need("lightning")
+need("accelerate")
 
 import benchmarks.tools  # noqa: E402
 from benchmarks.cases import CASES, SMOKE_CASE, by_name  # noqa: E402
@@ -56,7 +57,7 @@ def test_each_adapter_returns_a_batch_that_trains(tool, truth):
 
 
 def test_main_writes_table_json_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
+    need("matplotlib")
     # Lightning's adapters ran above; here the two quick tools keep the test short.
     assert main(["--out", str(tmp_path), "--cases", SMOKE_CASE.name, "--tools", "autobatch", "accelerate"]) == 0
     data = json.loads((tmp_path / "compare.json").read_text())

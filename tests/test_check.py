@@ -17,6 +17,7 @@ from autobatch.planning.plan import Plan
 from autobatch.planning.solver import solve
 from tests.deepspeed_parse import deepspeed_parse
 from tests.tiny import cnn, mlp
+from tests.extras import need
 
 
 def codes(result: CheckResult) -> list[str]:
@@ -159,7 +160,7 @@ def test_partial_deepspeed_configs_resolve_like_deepspeed(ds, resolved):
 )
 def test_deepspeed_view_agrees_with_deepspeeds_own_parser(train, micro, accum, world):
     """Whatever subset of the three keys a file gives, the check fails exactly when DeepSpeed would."""
-    pytest.importorskip("deepspeed")
+    need("deepspeed")
     ds = {k: v for k, v in zip(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
                                (train, micro, accum)) if v is not None}
     ds["zero_optimization"] = {"stage": 0}
@@ -248,8 +249,8 @@ def test_accelerate_points_at_a_deepspeed_file_that_is_then_checked(tmp_path, mo
 
 def test_accelerate_refusals_match_accelerate_itself(tmp_path, monkeypatch):
     """The check's rule for fields next to deepspeed_config_file is the one accelerate enforces."""
-    launch = pytest.importorskip("accelerate.commands.launch")
-    utils = pytest.importorskip("accelerate.utils")
+    launch = need("accelerate.commands.launch")
+    utils = need("accelerate.utils")
     if not hasattr(launch, "_validate_launch_command"):
         pytest.skip("this accelerate version has no _validate_launch_command")
     plan = solve(224, 16, 1, max_micro=9)

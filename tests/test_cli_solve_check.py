@@ -60,11 +60,11 @@ def test_solve_merges_into_an_existing_deepspeed_file_and_writes_accelerate(tmp_
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--target", "0"], "target must be a positive integer, but got target=0"),
-        (["--target", "-4"], "target must be a positive integer, but got target=-4"),
-        (["--target", "224", "--gpus", "0"], "gpus_per_node must be a positive integer, but got gpus_per_node=0"),
-        (["--target", "224", "--nodes", "-1"], "nodes must be a positive integer, but got nodes=-1"),
-        (["--target", "224", "--max-micro", "0"], "max_micro must be a positive integer, but got max_micro=0"),
+        (["--target", "0"], "--target must be ≥ 1, but got '0'"),
+        (["--target", "-4"], "--target must be ≥ 1, but got '-4'"),
+        (["--target", "224", "--gpus", "0"], "--gpus must be ≥ 1, but got '0'"),
+        (["--target", "224", "--nodes", "-1"], "--nodes must be ≥ 1, but got '-1'"),
+        (["--target", "224", "--max-micro", "0"], "--max-micro must be ≥ 1, but got '0'"),
         (["--target", "224", "--gpus", "3"], "no exact plan: global batch 224 is not divisible"),
         (["--target", "16", "--gpus", "16", "--min-micro", "2"], "no micro batch (≥ 2) divides 1"),
         (["--target", "224", "--base-lr", "1e-3"], "base_lr and base_batch go together"),

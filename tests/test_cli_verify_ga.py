@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from autobatch.cli import app
+from tests.extras import need
 
 runner = CliRunner()
 VOCAB = 53
@@ -28,7 +29,7 @@ class PlainLM(torch.nn.Module):
         return self.head(torch.tanh(self.emb(input_ids).cumsum(1)))
 
 
-def _load_fake(spec: str, *, seq_len: int | None = None) -> SimpleNamespace:
+def _load_fake(spec: str, *, seq_len: int | None = None, **_: object) -> SimpleNamespace:
     if spec == "fake-lm":
         return SimpleNamespace(model=PlainLM(), task="causal-lm", vocab_size=VOCAB, seq_len=seq_len or 16)
     if spec == "fake-bn":
@@ -74,7 +75,7 @@ def test_normalised_passes_with_exit_code_0(fake_registry: None) -> None:
 
 
 def test_json_output_is_one_object_with_the_verdict(fake_registry: None) -> None:
-    code, out = run("--model", "fake-lm", "--micro-batch", "1", "--grad-accum", "4", "--world-size", "2",
+    code, out = run("--model", "fake-lm", "--micro-batch", "1", "--grad-accum", "4", "--gpus", "2",
                     "--seq-len", "12", "--json")
     assert code == 1
     d = json.loads(out)
@@ -96,7 +97,7 @@ def test_batchnorm_is_flagged_with_exit_code_3(fake_registry: None) -> None:
 def test_bad_flags_are_one_line_and_exit_code_2(fake_registry: None) -> None:
     code, out = run("--model", "fake-lm", "--micro-batch", "0", "--grad-accum", "8")
     assert code == 2
-    assert out.strip() == "Error: micro_batch must be a positive integer, but got micro_batch=0"
+    assert out.strip() == "Error: --micro-batch must be ≥ 1, but got '0' (see: autobatch verify-ga --help)"
 
 
 def test_a_missing_registry_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,7 +111,7 @@ def test_a_missing_registry_is_explained(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.fixture
 def registry() -> None:
-    pytest.importorskip("autobatch.models")
+    need("autobatch.models")
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "gradient-accumulation.md"
@@ -120,7 +121,7 @@ DOCS_COMMANDS = {
     "autobatch verify-ga --model tiny-gpt2 --micro-batch 1 --grad-accum 8": 1,
     "autobatch verify-ga --model tiny-gpt2 --micro-batch 1 --grad-accum 8 --normalised": 0,
     "autobatch verify-ga --model tiny-gpt2 --micro-batch 2 --grad-accum 4 --json": 1,
-    "autobatch verify-ga --model tiny-llama --micro-batch 1 --grad-accum 4 --world-size 2 --normalised": 0,
+    "autobatch verify-ga --model tiny-llama --micro-batch 1 --grad-accum 4 --gpus 2 --normalised": 0,
     "autobatch verify-ga --model tiny-cnn --micro-batch 1 --grad-accum 8": 3,
 }
 

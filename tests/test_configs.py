@@ -33,6 +33,7 @@ from autobatch.configs.files import ConfigFileError
 from autobatch.planning.plan import Plan
 from autobatch.planning.solver import solve
 from tests.deepspeed_parse import deepspeed_parse
+from tests.extras import need
 
 PLANS = [
     pytest.param(solve(224, 16, 1, max_micro=9), id="224-on-16"),
@@ -120,7 +121,7 @@ def test_read_config_errors_are_one_line(tmp_path):
 
 
 def test_read_config_accepts_hjson_comments_like_deepspeed(tmp_path):
-    pytest.importorskip("hjson")
+    need("hjson")
     path = tmp_path / "ds.json"
     path.write_text('{\n  // per-GPU batch\n  "train_micro_batch_size_per_gpu": 4\n}\n')
     assert read_config(path) == {"train_micro_batch_size_per_gpu": 4}
@@ -171,7 +172,7 @@ def test_derive_batch_keys_needs_a_batch_key():
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("use_deepspeed", [False, True], ids=["ddp", "deepspeed"])
 def test_accelerate_loader_reads_the_yaml(plan, use_deepspeed, tmp_path):
-    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    config_args = need("accelerate.commands.config.config_args")
     ds_path = tmp_path / "ds.json" if use_deepspeed else None
     if ds_path is not None:
         write_deepspeed_config(plan, ds_path)
@@ -193,8 +194,8 @@ def test_accelerate_loader_reads_the_yaml(plan, use_deepspeed, tmp_path):
 
 def test_accelerate_launch_with_the_deepspeed_file_accepts_it_and_reads_the_accumulation(tmp_path, monkeypatch):
     """Runs accelerate's own launch-argument validation and DeepSpeed plugin on the written files."""
-    launch = pytest.importorskip("accelerate.commands.launch")
-    utils = pytest.importorskip("accelerate.utils")
+    launch = need("accelerate.commands.launch")
+    utils = need("accelerate.utils")
     validate = getattr(launch, "_validate_launch_command", None)
     if validate is None:
         pytest.skip("this accelerate version has no _validate_launch_command")
@@ -216,7 +217,7 @@ def test_accelerate_launch_with_the_deepspeed_file_accepts_it_and_reads_the_accu
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_accelerate_command_parses_with_accelerates_own_parser(nodes):
-    launch = pytest.importorskip("accelerate.commands.launch")
+    launch = need("accelerate.commands.launch")
     plan = solve(256, 8, nodes, max_micro=16)
     line = accelerate_command(plan, "train.py", ["--lr", "3e-4"])
     env, *words = shlex.split(os.path.expandvars(line) if nodes == 1 else line.replace("$NODE_RANK", "1").replace(
@@ -231,7 +232,7 @@ def test_accelerate_command_parses_with_accelerates_own_parser(nodes):
 
 def test_accelerator_reads_the_accumulation_from_the_launch_environment():
     """The variable accelerate_command sets is what Accelerator uses (fresh process: Accelerator is a singleton)."""
-    pytest.importorskip("accelerate")
+    need("accelerate")
     code = "from accelerate import Accelerator; print(Accelerator(cpu=True).gradient_accumulation_steps)"
     env = {**os.environ, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "3"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -244,7 +245,7 @@ def test_accelerator_reads_the_accumulation_from_the_launch_environment():
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_training_arguments_accept_the_values_and_the_flags(plan, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "accelerate")
     args = transformers.TrainingArguments(**hf_training_args(plan), output_dir=str(tmp_path))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (plan.micro_batch, plan.grad_accum)
     parser = transformers.HfArgumentParser(transformers.TrainingArguments)
@@ -254,8 +255,8 @@ def test_training_arguments_accept_the_values_and_the_flags(plan, tmp_path):
 
 def test_training_arguments_with_the_deepspeed_file_find_no_mismatch(tmp_path):
     """HF compares every concrete DeepSpeed batch value with TrainingArguments (world size 1 here, on CPU)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("deepspeed")
+    transformers = need("transformers", "accelerate")
+    need("deepspeed")
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     plan = solve(14, 1, 1, max_micro=7)
@@ -273,7 +274,7 @@ def test_training_arguments_with_the_deepspeed_file_find_no_mismatch(tmp_path):
 
 @pytest.mark.parametrize("plan", PLANS[:2])
 def test_lightning_trainer_takes_the_settings(plan):
-    lightning = pytest.importorskip("lightning")
+    lightning = need("lightning")
     settings = lightning_settings(plan)
     trainer = lightning.Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -286,7 +287,7 @@ def test_lightning_trainer_takes_the_settings(plan):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_torchrun_command_parses_with_torchruns_own_parser(plan):
-    run = pytest.importorskip("torch.distributed.run")
+    run = need("torch.distributed.run")
     line = torchrun_command(plan, "train.py", hf_flags(plan))
     words = shlex.split(line.replace("$NODE_RANK", "0").replace("$MASTER_ADDR", "10.0.0.1"))
     assert words[0] == "torchrun"

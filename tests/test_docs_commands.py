@@ -82,4 +82,26 @@ SNIPPETS = [(doc, i, code) for doc in DOCUMENTS for i, code in enumerate(_PYTHON
 @pytest.mark.parametrize("document, index, code", SNIPPETS, ids=[f"{d}:python{i}" for d, i, _ in SNIPPETS])
 def test_python_snippet_runs(document, index, code, capsys):
     exec(compile(code, f"{document}[python {index}]", "exec"), {"__name__": "__doc_snippet__"})
+    # A `print(...)  # text` line promises its output: the text, unless it is marked as a sketch.
+    promised = [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(") and "#" in line]
+    printed = capsys.readouterr().out.splitlines()
+    for claim in promised:
+        if not claim.startswith(("e.g.", "micro ×")):
+            assert claim in printed, f"{document} promises {claim!r}, but the snippet printed {printed}"
+
+
+def test_readme_python_snippet_prints_a_plan_that_accumulates():
+    # The budget binds: the plan shown needs gradient accumulation, so the example shows a real plan.
+    code = _PYTHON.findall((ROOT / "README.md").read_text())[0]
+    claim = next(line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(plan)"))
+    assert re.fullmatch(r"\d+ per GPU × ([2-9]|\d\d+) accumulation × 1 GPU \(1 per node × 1 node\) = \d+", claim), claim
+
+
+def test_ci_runs_the_test_command_readme_gives():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Run the tests"):]
+    block = [line for line in _BLOCK.search(section).group(1).splitlines() if line.strip()]
+    assert block[-1] == "python3 -m pytest -q" and block[0].startswith("pip install torch==2.13.0 && pip install -e")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-len(block):] == block
 

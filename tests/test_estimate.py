@@ -17,6 +17,7 @@ from autobatch.probing.probe import probe
 from autobatch.probing.trial import run_trial
 from autobatch.probing.workload import Workload
 from tests.tiny import TinyLM, cnn_workload, lm_workload, mlp, mlp_workload
+from tests.extras import need
 
 class _Attention(torch.nn.Module):
     """Self-attention through SDPA, as transformers models call it."""
@@ -126,8 +127,8 @@ def test_cli_unknown_gpu_is_one_line():
 
 
 def test_cli_estimate_plans_and_writes_deepspeed(tmp_path):
-    pytest.importorskip("autobatch.models")
-    pytest.importorskip("transformers")
+    need("autobatch.models")
+    need("transformers")
     out = tmp_path / "ds.json"
     result = runner.invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu", "t4", "--target", "224", "--gpus", "8",
                                  "--nodes", "2", "--deepspeed", str(out)])

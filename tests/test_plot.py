@@ -10,6 +10,7 @@ import torch
 
 from autobatch import MissingDependencyError, SimulatedBackend, Workload, probe
 from autobatch.tuning.tune import tune
+from tests.extras import need
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -25,7 +26,7 @@ def _is_png(path: Path) -> bool:
 
 
 def test_probe_plot_is_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    need("matplotlib")
     from autobatch.tuning.plot import plot_probe
 
     result = probe(_work(), SimulatedBackend("64KiB"))
@@ -34,7 +35,7 @@ def test_probe_plot_is_a_png(tmp_path):
 
 
 def test_tune_plot_is_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    need("matplotlib")
     from autobatch.tuning.plot import plot_tune
 
     result = tune(_work(), 8, SimulatedBackend("64KiB"), n_trials=3, timed_steps=1, root=tmp_path, max_batch=8)

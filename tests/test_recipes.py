@@ -16,22 +16,24 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.extras import need
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TIMEOUT_S = 120  # generous: the CPU is shared; alone each recipe takes a few seconds
 
 # What each recipe must print (the plan's arithmetic as the library used it) and the optional
 # library it needs. A new recipe fails test_every_recipe_is_listed until it is added here.
-EXPECTED: dict[str, tuple[str | None, list[str]]] = {
-    "plain_loop_ga": (None, ["verify-ga: PASS  (normalised", "# 2 micro batch * 4 grad accum * 1 rank = 8 sequences per step",
+# Modules a recipe needs (each from its extra), and lines its output must contain.
+EXPECTED: dict[str, tuple[tuple[str, ...], list[str]]] = {
+    "plain_loop_ga": ((), ["verify-ga: PASS  (normalised", "# 2 micro batch * 4 grad accum * 1 rank = 8 sequences per step",
                              "step   30  loss"]),
-    "hf_trainer": ("transformers", ["# 8 per device * 4 grad accum * 1 devices = 32 sequences per step (plan: 32)",
+    "hf_trainer": (("transformers", "accelerate"), ["# 8 per device * 4 grad accum * 1 devices = 32 sequences per step (plan: 32)",
                                     "done: 3 optimizer steps"]),
-    "accelerate_loop": ("accelerate", ["# 128 micro batch * 4 grad accum * 1 process(es) = 512 samples per step",
+    "accelerate_loop": (("accelerate",), ["# 128 micro batch * 4 grad accum * 1 process(es) = 512 samples per step",
                                        "done: 3 optimizer steps"]),
-    "deepspeed_config": ("deepspeed", ["7 per GPU × 2 accumulation × 16 GPUs (16 per node × 1 node) = 224",
+    "deepspeed_config": (("deepspeed",), ["7 per GPU × 2 accumulation × 16 GPUs (16 per node × 1 node) = 224",
                                        "deepspeed accepts it on 16 ranks: 7 micro × 2 accumulation × 16 = 224, ZeRO stage 2"]),
-    "lightning_fit": ("lightning", ["# 128 batch size * 4 accumulate_grad_batches * 1 devices * 1 nodes = 512 samples per step",
+    "lightning_fit": (("lightning",), ["# 128 batch size * 4 accumulate_grad_batches * 1 devices * 1 nodes = 512 samples per step",
                                     "done: 3 optimizer steps"]),
 }
 RUN_HEADER = re.compile(r"^\W*Run\b[^\n]*:[ \t]*\n[#\s]*(python recipes/(\w+)\.py[^\n]*)", re.MULTILINE)
@@ -75,8 +77,8 @@ def test_readme_lists_each_recipes_run_command() -> None:
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_runs_as_its_header_says(name: str, tmp_path: Path) -> None:
     needs, sentinels = EXPECTED[name]
-    if needs is not None:
-        pytest.importorskip(needs)
+    for module in needs:
+        need(module)
     args = shlex.split(run_command(name))
     assert args[:2] == ["python", f"recipes/{name}.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}

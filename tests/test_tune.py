@@ -21,6 +21,7 @@ from autobatch.cli import app
 from autobatch.planning.solver import NoExactPlanError
 from autobatch.tuning.candidates import candidate_plans, time_plan
 from autobatch.tuning.tune import SlowerThanBestPruner, list_studies, tune
+from tests.extras import need
 
 
 class Checkpointable(torch.nn.Module):
@@ -150,8 +151,8 @@ def test_unreachable_target_and_bad_arguments_say_why(tmp_path):
 
 # docs/tune-and-cache.md shows these commands; they run here one to one.
 DOC_COMMANDS = [
-    "tune --model tiny-mlp --target 16 --trials 3 --device cpu --memory 2MiB --max-batch 16 --timed-steps 2",
-    "tune --model tiny-mlp --target 16 --trials 2 --device cpu --memory 2MiB --max-batch 16 --timed-steps 2 "
+    "tune --model tiny-mlp --target 16 --trials 3 --device cpu --memory 2MiB --max-micro 16 --timed-steps 2",
+    "tune --model tiny-mlp --target 16 --trials 2 --device cpu --memory 2MiB --max-micro 16 --timed-steps 2 "
     "--plot tune.png",
     "cache list",
     "cache clear",
@@ -165,8 +166,8 @@ def test_doc_shows_exactly_these_commands():
 
 
 def test_cli_commands_of_the_doc(tmp_path, monkeypatch):
-    pytest.importorskip("autobatch.models")
-    pytest.importorskip("matplotlib")
+    need("autobatch.models")
+    need("matplotlib")
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
@@ -182,15 +183,15 @@ def test_cli_commands_of_the_doc(tmp_path, monkeypatch):
 
 
 def test_cli_json_and_errors(tmp_path, monkeypatch):
-    pytest.importorskip("autobatch.models")
+    need("autobatch.models")
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path / "cache"))
     runner = CliRunner()
-    base = "tune --model tiny-mlp --target 8 --trials 1 --device cpu --memory 2MiB --max-batch 8 --timed-steps 1"
+    base = "tune --model tiny-mlp --target 8 --trials 1 --device cpu --memory 2MiB --max-micro 8 --timed-steps 1"
     result = runner.invoke(app, [*base.split(), "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["best"]["plan"]["global_batch"] == 8 and data["max_micro"] == {"off": 8}
-    bad = runner.invoke(app, [*base.split(), "--checkpointing", "sometimes"])
-    assert bad.exit_code == 2 and "--checkpointing must be auto, both, on or off" in bad.output
+    bad = runner.invoke(app, [*base.split(), "--grad-checkpointing", "sometimes"])
+    assert bad.exit_code == 2 and "unexpected extra argument(s) (sometimes)" in bad.stderr
     listed = runner.invoke(app, ["cache", "list", "--json"])
     assert json.loads(listed.stdout)["entries"][0]["max_batch"] == 8

@@ -14,13 +14,14 @@ from autobatch.errors import AutobatchError, ConfigError
 from autobatch.checking.ga_batches import lm_token_loss, padded_lm_batch, split_batch
 from autobatch.checking.ga_sources import verify_model_source
 from autobatch.checking.verify_ga import GAVerification, verify_ga
+from tests.extras import need
 
 VOCAB, SEQ = 97, 32
 
 
 @pytest.fixture(scope="module")
 def gpt2() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=None, eos_token_id=None
     )  # default dropout 0.1 on purpose: verify_ga must switch it off
@@ -281,7 +282,7 @@ def test_other_sources_use_their_own_batches_and_loss() -> None:
 
 
 def test_docs_example_prints_what_the_page_shows(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("transformers")
+    need("transformers")
     page = (Path(__file__).resolve().parents[1] / "docs" / "gradient-accumulation.md").read_text()
     section = page.split("## What the check measures", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]

@@ -61,12 +61,14 @@ def verify_model(
     mode: Mode = "naive",
     tolerance: float = 1e-5,
     seed: int = 0,
+    **load: Any,
 ) -> GAVerification:
     """:func:`verify_model_source` for a built-in model name; what ``autobatch verify-ga --model`` runs.
 
     Args:
         spec: A name that ``autobatch.models.load_model`` knows (``tiny-gpt2``, ``tiny-mlp``, …).
         seq_len: Sequence length for language models; ``None`` keeps the model's default.
+        load: Further options of ``load_model`` (``input_shape``, ``num_classes``, ``trust_remote_code``).
         micro_batch, grad_accum, world_size, mode, tolerance, seed: As for :func:`verify_ga`.
 
     Example:
@@ -81,6 +83,6 @@ def verify_model(
         raise AutobatchError("verify-ga --model needs autobatch.models, which this installation does not have") from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the same random weights on every run with this seed
-        source = load_model(spec, **({} if seq_len is None else {"seq_len": seq_len}))
+        source = load_model(spec, **({} if seq_len is None else {"seq_len": seq_len}), **load)
     return verify_model_source(source, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
                                mode=mode, tolerance=tolerance, seed=seed)

@@ -1,56 +1,207 @@
-"""The typer app, the error boundary every command goes through, and the --debug switch.
+"""The typer app, the error boundary every command goes through, and the root options.
 
-Library errors (:class:`~autobatch.errors.AutobatchError`) become one line on stderr and exit
-code 2; the traceback is shown only with ``autobatch --debug …``.
+Library errors (:class:`~autobatch.errors.AutobatchError`) and usage errors (a flag typed wrong)
+become one line on stderr and exit code 2; with ``--json``, stdout still carries one JSON object
+(``{"error": …, "exit_code": 2}``) so a script can always parse it. The traceback is shown only
+with ``autobatch --debug …``. Warnings (a damaged cache entry) are one line without a source path.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
-from collections.abc import Callable
+import re
+import sys
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import typer
+from typer.core import TyperCommand, TyperGroup
+
+try:  # typer >= 0.20 carries its own copy of click, whose exceptions it raises
+    from typer import _click as click
+except ImportError:  # pragma: no cover - older typer uses click itself
+    import click
 
 from ..errors import AutobatchError
 
-__all__ = ["app", "cache_app", "command", "fail"]
+__all__ = ["app", "cache_app", "command", "fail", "COMMAND_ORDER", "RENAMED"]
+
+# The order a user needs them in: probe and plan, plan alone, check, then the rest.
+COMMAND_ORDER = ["find", "solve", "check", "estimate", "tune", "verify-ga", "gpus", "models", "cache"]
+
+# Spellings of earlier releases, still accepted (hidden from --help) with a note naming the new flag.
+RENAMED = {"--max-batch": "--max-micro", "--world-size": "--gpus"}
+
+_state = {"debug": False}
+
+
+def _one_line(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    sys.stderr.write(f"warning: {message}\n")
+
+
+def _typed_value(argv: Sequence[str], param: Any) -> str | None:
+    """What the user typed for ``param`` (``--flag VALUE`` or ``--flag=VALUE``), to quote it back."""
+    names = set(getattr(param, "opts", ()))
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in names:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+_RULES = [  # what typer says about a bad value, as the rule the flag must follow
+    (re.compile(r"Input should be greater than or equal to (\S+)"), "must be ≥ {}"),
+    (re.compile(r"Input should be less than or equal to (\S+)"), "must be ≤ {}"),
+    (re.compile(r"Input should be greater than (\S+)"), "must be > {}"),
+    (re.compile(r"Input should be a valid integer"), "must be a whole number"),
+    (re.compile(r"Input should be a valid number"), "must be a number"),
+    (re.compile(r"Input should be a finite number"), "must be a finite number"),
+]
+
+
+def _bad_value(exc: Any, argv: Sequence[str]) -> str | None:
+    """``--target must be ≥ 1, but got '0'``: a bad value as one line naming the flag the user typed."""
+    param = getattr(exc, "param", None)
+    typed = _typed_value(argv, param)
+    if typed is None:
+        return None
+    flag = next((o for o in param.opts if o in " ".join(argv)), param.opts[0])
+    for pattern, rule in _RULES:
+        match = pattern.search(exc.message)
+        if match:
+            return f"{flag} {rule.format(*match.groups())}, but got {typed!r}"
+    return f"{flag}: {exc.message.rstrip('.')}, but got {typed!r}"
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    return "--json" in args
+
+
+def _json_error(message: str, code: int) -> None:
+    typer.echo(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False))
+
+
+def _tidy(params: list[Any]) -> list[Any]:
+    """Help shows no ``<bool>`` for a flag (it takes no value) and ``<int>`` rather than ``<int range>``."""
+    for param in params:
+        descriptor = getattr(param, "type_descriptor", None)
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+        elif param.metavar is None and descriptor is not None and getattr(descriptor, "is_ranged", False):
+            param.metavar = f"<{descriptor.ranged_type_name}>"
+    return params
+
+
+class AutobatchCommand(TyperCommand):
+    """A command whose help reads cleanly and which accepts the renamed spellings (:data:`RENAMED`)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _tidy(super().get_params(ctx))
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        known = {opt for param in self.params for opt in (*param.opts, *param.secondary_opts)}
+        rewritten = []
+        for arg in args:
+            old, eq, value = arg.partition("=")
+            new = RENAMED.get(old)
+            if new is not None and old not in known and new in known:
+                typer.echo(f"note: {old} is now {new}", err=True)
+                arg = new + eq + value
+            rewritten.append(arg)
+        return super().parse_args(ctx, rewritten)
+
+
+class AutobatchGroup(TyperGroup):
+    """Commands in :data:`COMMAND_ORDER`, and every usage error as one line (JSON too with --json)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _tidy(super().get_params(ctx))
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = super().list_commands(ctx)
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        return sorted(names, key=lambda name: rank.get(name, len(rank)))
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            command = ctx.command_path if ctx is not None else "autobatch"
+            message = exc.format_message().rstrip(".")
+            if isinstance(exc, click.exceptions.BadParameter):
+                message = _bad_value(exc, argv) or message
+            if isinstance(exc, click.exceptions.UsageError):
+                message += f" (see: {command} --help)"
+            if _wants_json(argv):
+                _json_error(message, exc.exit_code)
+            typer.echo(f"Error: {message}", err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
+
 
 app = typer.Typer(
     name="autobatch",
+    cls=AutobatchGroup,
     help="Find the per-GPU batch that fits, and reach your global batch exactly.",
+    epilog="Start with: autobatch find --model gpt2 --target 224",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-cache_app = typer.Typer(help="The on-disk cache of probe results and tuning studies.", no_args_is_help=True)
-_state = {"debug": False}
+cache_app = typer.Typer(cls=AutobatchGroup, help="The on-disk cache of probe results and tuning studies.",
+                        no_args_is_help=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"autobatch {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback on errors (or AUTOBATCH_DEBUG=1)."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
 ) -> None:
     # Set on every invocation, so one --debug run does not leak into the next in the same process.
     _state["debug"] = debug or os.environ.get("AUTOBATCH_DEBUG", "") not in ("", "0")
 
 
-def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``app.command`` that turns AutobatchError into one line and exit code 2."""
+def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None = None,
+            **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a command: AutobatchError becomes one line and exit code 2; ``examples`` end its --help."""
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*a: Any, **kw: Any) -> Any:
-            try:
-                return fn(*a, **kw)
-            except AutobatchError as exc:
-                if _state["debug"]:
-                    raise
-                typer.echo(f"Error: {exc}", err=True)
-                raise typer.Exit(2) from None
+            with warnings.catch_warnings():
+                warnings.showwarning = _one_line  # restored when the command ends
+                try:
+                    return fn(*a, **kw)
+                except AutobatchError as exc:
+                    if _state["debug"]:
+                        raise
+                    if kw.get("as_json"):
+                        _json_error(str(exc), 2)
+                    typer.echo(f"Error: {exc}", err=True)
+                    raise typer.Exit(2) from None
 
-        return app.command(*args, **kwargs)(wrapper)
+        epilog = "Examples:\n\n" + "\n\n".join(f"  $ {line}" for line in examples) if examples else None
+        return (on or app).command(name, cls=AutobatchCommand, epilog=epilog, **kwargs)(wrapper)
 
     return register
 

@@ -4,49 +4,75 @@ from __future__ import annotations
 
 import typer
 
-from ..configs import hf_flags
 from ._app import command, fail
 from .options import (
+    AccelerateOut,
+    AsJson,
+    DeepSpeedOut,
     Dtype,
+    GpuMemory,
+    GpuName,
+    GpusPerNode,
+    GradCheckpointing,
     Headroom,
-    MaxBatch,
+    HfOut,
+    InputShape,
+    MaxMicro,
     MinMicro,
     ModelParallel,
     ModelSpec,
     MultipleOf,
     Nodes,
+    NumClasses,
     OptimizerName,
+    Script,
     SeqLen,
+    TrustRemoteCode,
     headroom_value,
+    model_load_options,
+    size_value,
 )
+from .output import console, print_plan, print_written
 
 __all__ = ["estimate_command", "gpus_command", "models_command"]
 
 
-@command("estimate")
+@command("estimate", examples=[
+    "autobatch estimate --model gpt2 --gpu h100-80gb --target 224 --gpus 8",
+    "autobatch estimate --model llama-1b --gpu-memory 40GiB --seq-len 2048 --dtype bf16",
+])
 def estimate_command(
     model: ModelSpec,
-    gpu: str = typer.Option("a100-80gb", "--gpu", help="GPU to estimate for (see `autobatch gpus`); default a100-80gb."),
-    gpu_memory: str | None = typer.Option(None, "--gpu-memory", help="Total memory of a GPU not in the catalogue, e.g. 40GiB."),
-    target: int | None = typer.Option(None, "--target", help="Global batch per optimizer step: plan it with the estimated safe batch."),
-    gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
+    gpu: GpuName = None,
+    gpu_memory: GpuMemory = None,
+    target: int | None = typer.Option(None, "--target", min=1, rich_help_panel="Plan",
+                                      help="Global batch per optimizer step: plan it with the estimated safe batch."),
+    gpus: GpusPerNode = 1,
     nodes: Nodes = 1,
     model_parallel: ModelParallel = 1,
     multiple_of: MultipleOf = None,
     seq_len: SeqLen = None,
+    input_shape: InputShape = None,
+    num_classes: NumClasses = 10,
+    trust_remote_code: TrustRemoteCode = False,
     dtype: Dtype = "fp32",
     optimizer: OptimizerName = "adamw",
-    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Trace with gradient checkpointing on."),
+    grad_checkpointing: GradCheckpointing = False,
     headroom: Headroom = "5%",
-    max_batch: MaxBatch = None,
+    max_micro: MaxMicro = None,
     min_micro: MinMicro = None,
-    fragmentation: float = typer.Option(1.05, "--fragmentation", help="Allocator reserved/allocated ratio assumed."),
+    fragmentation: float = typer.Option(1.05, "--fragmentation", min=1.0, max=10.0,
+                                        help="Allocator reserved/allocated ratio assumed."),
     workspace: str = typer.Option("64MiB", "--workspace", help="cuBLAS/cuDNN workspaces assumed."),
-    deepspeed: str | None = typer.Option(None, "--deepspeed", help="With --target: write the batch keys into this DeepSpeed JSON."),
-    accelerate: str | None = typer.Option(None, "--accelerate", help="With --target: write an accelerate config YAML here."),
-    as_json: bool = typer.Option(False, "--json", help='Print one JSON object (it carries "estimated": true).'),
+    deepspeed: DeepSpeedOut = None,
+    accelerate: AccelerateOut = None,
+    hf: HfOut = None,
+    script: Script = "train.py",
+    as_json: AsJson = False,
 ) -> None:
-    """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used."""
+    """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used.
+
+    The JSON carries "estimated": true."""
     import json
 
     from ..configs import write_plan_configs
@@ -54,43 +80,45 @@ def estimate_command(
     from ..estimating.gpus import resolve_gpu
     from ..estimating.overheads import Overheads
     from ..planning.solver import solve
-    from ..units import parse_bytes
 
-    spec = resolve_gpu(gpu, gpu_memory)  # an unknown name fails here, before any model is built
-    if (deepspeed or accelerate) and target is None:
-        fail("--deepspeed and --accelerate write a plan, which needs --target (the global batch); add --target N")
-    overheads = Overheads(fragmentation=fragmentation, workspace_bytes=parse_bytes(workspace))
-    source = load_fake_model(model, seq_len=seq_len)
+    if gpu is not None and gpu_memory is not None:
+        fail(f"--gpu {gpu} and --gpu-memory {gpu_memory} both name the GPU to estimate for; pass one")
+    room = headroom_value(headroom)
+    workspace_bytes = size_value(workspace, "--workspace")
+    memory_bytes = None if gpu_memory is None else size_value(gpu_memory, "--gpu-memory")
+    spec = resolve_gpu(gpu, memory_bytes)  # an unknown name fails here, before any model is built
+    if (deepspeed or accelerate or hf) and target is None:
+        fail("--deepspeed, --accelerate and --hf write a plan, which needs --target (the global batch); add --target N")
+    overheads = Overheads(fragmentation=fragmentation, workspace_bytes=workspace_bytes)
+    source = load_fake_model(model, **model_load_options(seq_len, input_shape, num_classes, trust_remote_code))
     workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
-    result = estimate(workload, spec, overheads=overheads, headroom=headroom_value(headroom), max_batch=max_batch,
-                      min_batch=min_micro, data_parallel=gpus * nodes // max(1, model_parallel))
+    result = estimate(workload, spec, overheads=overheads, headroom=room, max_batch=max_micro, min_batch=min_micro,
+                      data_parallel=gpus * nodes // max(1, model_parallel))
     plan = None
     written: dict[str, str] = {}
     if target is not None:
         plan = solve(target, gpus, nodes, result.safe_batch, min_micro=result.min_batch, multiple_of=multiple_of,
                      model_parallel=model_parallel)
-        written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate)
+        written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf)
     if as_json:
         # The same top-level keys as `find --json`, so scripts read either the same way.
         data = {"max_micro": result.max_batch, "safe_micro": result.safe_batch,
                 **(plan.to_dict() if plan is not None else {}), **result.to_dict()}
         if plan is not None:
             data["plan"] = plan.to_dict()
-        typer.echo(json.dumps({**data, **written}, indent=2))
+        typer.echo(json.dumps({**data, **written}, indent=2, ensure_ascii=False))
         return
     typer.echo(f"note: these are estimates for {spec.name} from a fake-tensor trace (no GPU used); "
                "probe on the GPU itself for exact figures")
     typer.echo(str(result))
     if plan is not None:
-        typer.echo("plan (estimated): " + plan.describe())
-        typer.echo(f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed))}")
-    for kind, path in written.items():
-        typer.echo(f"wrote {path} ({kind.replace('_', ' ')})")
+        print_plan(plan, label="plan (estimated): ", deepspeed=deepspeed, accelerate=accelerate, script=script)
+    print_written(written)
 
 
-@command("gpus")
-def gpus_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
-    """List the GPUs `autobatch estimate --gpu` knows, with total and usable memory."""
+@command("gpus", examples=["autobatch gpus", "autobatch estimate --model gpt2 --gpu-memory 40GiB"])
+def gpus_command(as_json: AsJson = False) -> None:
+    """List the GPUs `autobatch estimate --gpu` (and `find --gpu`) knows, with total and usable memory."""
     import json
 
     from ..estimating.gpus import DEFAULT_GPU, GPUS
@@ -103,12 +131,11 @@ def gpus_command(as_json: bool = typer.Option(False, "--json", help="Print one J
     typer.echo(f"default: {DEFAULT_GPU}; any other card: --gpu-memory 40GiB (usable = total − CUDA context)")
 
 
-@command("models")
-def models_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+@command("models", examples=["autobatch models", "autobatch find --model tiny-gpt2 --device cpu --memory 8MiB"])
+def models_command(as_json: AsJson = False) -> None:
     """List the built-in models (random weights, built from configs: nothing is downloaded)."""
     import json
 
-    from rich.console import Console
     from rich.table import Table
 
     from ..models import list_models
@@ -122,4 +149,4 @@ def models_command(as_json: bool = typer.Option(False, "--json", help="Print one
         table.add_column(column)
     for row in rows:
         table.add_row(row["name"], f"{row['parameters'] / 1e6:,.1f}M", str(row["seq_len"] or "-"), row["description"])
-    Console().print(table)
+    console().print(table)

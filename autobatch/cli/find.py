@@ -6,23 +6,36 @@ from typing import Any
 
 import typer
 
-from ..configs import hf_flags
-from ._app import command
+from ._app import command, fail
 from .options import (
+    AccelerateOut,
+    AsJson,
+    DeepSpeedOut,
     DeviceName,
     Dtype,
+    GpuMemory,
+    GpuName,
+    GradCheckpointing,
     Headroom,
-    MaxBatch,
+    HfOut,
+    InputShape,
+    MaxMicro,
     MinMicro,
     ModelParallel,
     ModelSpec,
     MultipleOf,
     Nodes,
+    NumClasses,
     OptimizerName,
+    Script,
     SeqLen,
     SimulatedMemory,
+    TrustRemoteCode,
     headroom_value,
+    model_load_options,
+    size_value,
 )
+from .output import console, plan_lines, print_written
 
 
 def _trial_table(finding: Any) -> Any:
@@ -52,63 +65,87 @@ def _device_line(info: Any) -> str:
 __all__ = ["find_command"]
 
 
-@command("find")
+@command("find", examples=[
+    "autobatch find --model gpt2 --target 224",
+    "autobatch find --model tiny-gpt2 --target 96 --device cpu --memory 8MiB --deepspeed ds.json",
+])
 def find_command(
     model: ModelSpec,
-    target: int | None = typer.Option(None, "--target", help="Global batch per optimizer step (default: the safe batch on every GPU)."),
-    gpus: int | None = typer.Option(None, "--gpus", help="GPUs per node (default: the GPUs visible here; 1 on CPU)."),
+    target: int | None = typer.Option(None, "--target", min=1, rich_help_panel="Plan", show_default="the safe batch on every GPU",
+                                      help="Global batch per optimizer step."),
+    gpus: int | None = typer.Option(None, "--gpus", min=1, rich_help_panel="Plan", show_default="the GPUs visible here; 1 on CPU",
+                                    help="GPUs per node (not the total: world size = --gpus × --nodes)."),
     nodes: Nodes = 1,
     model_parallel: ModelParallel = 1,
     seq_len: SeqLen = None,
+    input_shape: InputShape = None,
+    num_classes: NumClasses = 10,
+    trust_remote_code: TrustRemoteCode = False,
     dtype: Dtype = "fp32",
     optimizer: OptimizerName = "adamw",
-    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Probe with gradient checkpointing on."),
+    grad_checkpointing: GradCheckpointing = False,
     headroom: Headroom = "5%",
-    max_batch: MaxBatch = None,
+    max_micro: MaxMicro = None,
     min_micro: MinMicro = None,
     multiple_of: MultipleOf = None,
     device: DeviceName = None,
     memory: SimulatedMemory = None,
-    input_shape: str | None = typer.Option(None, "--input-shape", help="Per-sample input shape for your own nn.Module, e.g. 3,224,224."),
-    num_classes: int = typer.Option(10, "--num-classes", help="Classes for your own nn.Module's loss."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Let an hf: model run its own code."),
-    deepspeed: str | None = typer.Option(None, "--deepspeed", help="Write the batch keys into this DeepSpeed JSON (other keys kept)."),
-    accelerate: str | None = typer.Option(None, "--accelerate", help="Write an accelerate config YAML here."),
-    hf: str | None = typer.Option(None, "--hf", help="Write HF TrainingArguments values (JSON) here."),
-    gpu: str = typer.Option("a100-80gb", "--gpu", help="With no CUDA GPU here and no --device: estimate for this GPU (default a100-80gb)."),
+    gpu: GpuName = None,
+    gpu_memory: GpuMemory = None,
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again even when a result for this setup is cached."),
-    plot: str | None = typer.Option(None, "--plot", help="Draw peak memory against batch into this PNG (needs the plot extra)."),
+    deepspeed: DeepSpeedOut = None,
+    accelerate: AccelerateOut = None,
+    hf: HfOut = None,
+    script: Script = "train.py",
+    plot: str | None = typer.Option(None, "--plot", rich_help_panel="Output",
+                                    help="Draw peak memory against batch into this PNG (needs the plot extra)."),
     timeout: float = typer.Option(
         300.0, "--timeout", min=1.0,
         help="Seconds a rank waits for the others (under a launcher, or one worker per GPU here) before all stop with one error.",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: AsJson = False,
 ) -> None:
     """Probe the largest per-GPU batch with real training steps, then plan --target exactly.
 
-    With no CUDA GPU and no --device, estimates for --gpu (default a100-80gb) from a fake-tensor trace."""
+    With no CUDA GPU here and no --device, it estimates for --gpu (or --gpu-memory) from a
+    fake-tensor trace instead, and says so."""
     import json
 
     import torch
-    from rich.console import Console
 
     from ..configs import write_plan_configs
     from ..models import load_model
     from ..pipeline import find_plan
     from ..probing.probe import make_backend
 
-    if device is None and memory is None and not torch.cuda.is_available():
+    room = headroom_value(headroom)  # flags are checked before any model is built
+    if memory is not None:
+        size_value(memory, "--memory")
+    if gpu is not None and gpu_memory is not None:
+        fail(f"--gpu {gpu} and --gpu-memory {gpu_memory} both name the GPU to estimate for; pass one")
+    probe_here = device is not None or memory is not None or torch.cuda.is_available()
+    if probe_here and (gpu is not None or gpu_memory is not None):
+        where = (f"--device {device}" if device is not None else f"the CPU against --memory {memory}" if memory is not None
+                 else "the CUDA GPU here")
+        flag = "--gpu" if gpu is not None else "--gpu-memory"
+        fail(f"{flag} names a GPU to estimate for, but find probes {where} with real steps; drop {flag}, "
+             f"or run `autobatch estimate {flag} …` for an estimate")
+    if not probe_here:
         # No GPU to probe: estimate for a named one (fake-tensor trace), saying so first.
-        typer.echo(f"note: no CUDA GPU here, so these are estimates for {gpu} (--gpu; default a100-80gb); "
-                   "for real training steps on the CPU pass --device cpu --memory 8GiB", err=True)
+        from ..estimating.gpus import resolve_gpu
         from .estimate import estimate_command
 
+        spec = resolve_gpu(gpu, None if gpu_memory is None else size_value(gpu_memory, "--gpu-memory"))
+        typer.echo(f"note: no CUDA GPU here, so these are estimates for {spec.name} "
+                   f"({'--gpu-memory' if gpu_memory is not None else '--gpu; default a100-80gb'}); "
+                   "for real training steps on the CPU pass --device cpu --memory 8GiB", err=True)
         estimate_command(
-            model=model, gpu=gpu, gpu_memory=None, target=target, gpus=gpus or 1, nodes=nodes,
-            model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, dtype=dtype,
-            optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_batch=max_batch,
+            model=model, gpu=gpu, gpu_memory=gpu_memory, target=target, gpus=gpus or 1, nodes=nodes,
+            model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, input_shape=input_shape,
+            num_classes=num_classes, trust_remote_code=trust_remote_code, dtype=dtype,
+            optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_micro=max_micro,
             min_micro=min_micro, fragmentation=1.05, workspace="64MiB", deepspeed=deepspeed, accelerate=accelerate,
-            as_json=as_json,
+            hf=hf, script=script, as_json=as_json,
         )
         return
     from ..distributed.launch import (
@@ -120,11 +157,11 @@ def find_command(
     )
     from ..pipeline import Finding, local_gpu_count, plan_from_probe, probe_worker
 
-    load = dict(seq_len=seq_len, input_shape=input_shape, num_classes=num_classes, trust_remote_code=trust_remote_code)
+    load = model_load_options(seq_len, input_shape, num_classes, trust_remote_code)
     settings = dict(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
-    options = dict(max_batch=max_batch, min_batch=min_micro, headroom=headroom_value(headroom))
+    options = dict(max_batch=max_micro, min_batch=min_micro, headroom=room)
     planning = dict(target=target, nodes=nodes, model_parallel=model_parallel, multiple_of=multiple_of)
-    console = Console(stderr=True)
+    status_console = console(stderr=True)
     if is_launched():
         # Under torchrun / accelerate launch: every rank probes its own device, in lockstep.
         from ..distributed.lockstep import probe_distributed
@@ -143,7 +180,7 @@ def find_command(
         finding = Finding(agreed, plan, ranks_report=str(result))
     elif device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
         # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
-        console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)
+        status_console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)
         agreed, report = spawn_local(probe_worker, (model, load, settings, {**options, "timeout_s": timeout}),
                                      timeout_s=timeout)
         plan = plan_from_probe(agreed, gpus_per_node=gpus or gpu_count, **planning)
@@ -151,30 +188,30 @@ def find_command(
     else:
         backend = make_backend(device or ("cpu" if memory is not None else None), memory)
         workload = load_model(model, **load).to_workload(**settings)
-        with console.status("probing…") as status:
+        with status_console.status("probing…") as status:
             def progress(trial: Any) -> None:
                 status.update(f"probing… batch {trial.batch} {'fits' if trial.fits else 'is out of memory'}")
 
-            finding = find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=max_batch,
-                                min_micro=min_micro, headroom=headroom_value(headroom), on_trial=progress,
+            finding = find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=max_micro,
+                                min_micro=min_micro, headroom=room, on_trial=progress,
                                 use_cache=not no_cache, **planning)
     plan = finding.plan
     written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf)
-    if as_json:
-        typer.echo(json.dumps({**finding.to_dict(), **written}, indent=2))
-        return
     if plot is not None:
         from ..tuning.plot import plot_probe
 
         plot_probe(finding.probe, plot, chosen=plan.micro_batch)
         written["plot"] = plot
-    out = Console()
+    if as_json:
+        typer.echo(json.dumps({**finding.to_dict(), **written}, indent=2, ensure_ascii=False))
+        return
+    out = console()
     out.print(_device_line(finding.probe.device), highlight=False)
     if finding.ranks_report:
         out.print(finding.ranks_report, highlight=False)
     out.print(_trial_table(finding))
     out.print(str(finding.probe) + (" (cached)" if finding.cached else ""), highlight=False)
     out.print("plan: " + plan.describe(), highlight=False)
-    out.print(f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed))}", highlight=False)
-    for kind, path in written.items():
-        out.print(f"wrote {path} ({kind.replace('_', ' ')})", highlight=False)
+    for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script):
+        out.print(line, highlight=False, markup=False)
+    print_written(written)

@@ -1,33 +1,145 @@
-"""Options several commands share: one definition each, so their flags and help never drift."""
+"""Options several commands share: one name, one type and one help text per concept.
+
+Names, everywhere: ``--gpus`` (per node) × ``--nodes`` is the data-parallel world size;
+``--micro-batch``/``--grad-accum`` a given setup; ``--max-micro``/``--min-micro``/``--multiple-of``
+the limits on the per-GPU batch; ``--grad-checkpointing`` a flag; ``--deepspeed``/``--accelerate``/
+``--hf`` the config files a plan is written to. Every command that takes ``--model`` takes the
+same model options (:data:`ModelSpec`, :data:`SeqLen`, :data:`InputShape`, :data:`NumClasses`,
+:data:`TrustRemoteCode`). Values are checked here, naming the flag the user typed.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from ..errors import AutobatchError
+
 __all__ = [
-    "Dtype", "DeviceName", "Headroom", "MaxBatch", "MinMicro", "ModelParallel", "ModelSpec", "MultipleOf",
-    "Nodes", "OptimizerName", "SeqLen", "SimulatedMemory", "headroom_value",
+    "AsJson", "AccelerateOut", "DeepSpeedOut", "DeviceName", "Dtype", "GpuMemory", "GpuName", "GpusPerNode",
+    "GradCheckpointing", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel", "ModelSpec",
+    "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SimulatedMemory", "Target",
+    "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
 ]
 
-ModelSpec = Annotated[str, typer.Option("--model", help='Built-in name (see `autobatch models`), hf:NAME_OR_DIR, file.py:fn or module:fn.')]
-Nodes = Annotated[int, typer.Option("--nodes", help='Number of nodes.')]
-ModelParallel = Annotated[int, typer.Option("--model-parallel", help='Tensor × pipeline parallel degree.')]
-SeqLen = Annotated[int | None, typer.Option("--seq-len", help='Tokens per sample, the longest you train on.')]
-Dtype = Annotated[str, typer.Option("--dtype", help='fp32, bf16 or fp16 (autocast).')]
-OptimizerName = Annotated[str, typer.Option("--optimizer", help='adamw, adam, sgd, sgd-nomomentum or adafactor.')]
-Headroom = Annotated[str, typer.Option("--headroom", help='Memory kept free for the safe batch: 5%, 0.05 or 2GiB.')]
-MaxBatch = Annotated[int | None, typer.Option("--max-batch", help='Never try a per-GPU batch above this.')]
-MinMicro = Annotated[int | None, typer.Option("--min-micro", help='Smallest per-GPU batch (default 2 with BatchNorm, else 1).')]
-MultipleOf = Annotated[int | None, typer.Option("--multiple-of", help='Per-GPU batch must be a multiple of this.')]
-DeviceName = Annotated[str | None, typer.Option("--device", help='cuda, cuda:N, or cpu (with --memory: simulated budget).')]
-SimulatedMemory = Annotated[str | None, typer.Option("--memory", help='Simulated device memory for --device cpu, e.g. 2GiB.')]
+_MODEL = "Model"
+_PLAN = "Plan"
+_OUT = "Output"
+
+ModelSpec = Annotated[str, typer.Option(
+    "--model", rich_help_panel=_MODEL,
+    help="A built-in name (`autobatch models`), hf:NAME_OR_DIR, or your own file.py:fn or package.module:fn. "
+         "file.py:fn and module:fn import and run that code (as `python file.py` would): pass only code you trust.",
+)]
+SeqLen = Annotated[int | None, typer.Option(
+    "--seq-len", min=1, rich_help_panel=_MODEL, show_default="the model's own, e.g. 1024 for gpt2",
+    help="Tokens per sample, the longest you train on.",
+)]
+InputShape = Annotated[str | None, typer.Option(
+    "--input-shape", rich_help_panel=_MODEL,
+    help="Per-sample input shape when your own fn returns an nn.Module, e.g. 3,224,224.",
+)]
+NumClasses = Annotated[int, typer.Option(
+    "--num-classes", min=1, rich_help_panel=_MODEL, help="Classes for your own nn.Module's classification loss.",
+)]
+TrustRemoteCode = Annotated[bool, typer.Option(
+    "--trust-remote-code", rich_help_panel=_MODEL, help="Let an hf: model run the code it ships with.",
+)]
+Dtype = Annotated[str, typer.Option("--dtype", rich_help_panel=_MODEL, help="fp32, bf16 or fp16 (autocast).")]
+OptimizerName = Annotated[str, typer.Option(
+    "--optimizer", rich_help_panel=_MODEL, help="adamw, adam, sgd, sgd-nomomentum or adafactor.",
+)]
+GradCheckpointing = Annotated[bool, typer.Option(
+    "--grad-checkpointing", rich_help_panel=_MODEL, help="Train with gradient checkpointing on.",
+)]
+
+Target = Annotated[int, typer.Option("--target", min=1, rich_help_panel=_PLAN, help="Global batch per optimizer step.")]
+GpusPerNode = Annotated[int, typer.Option(
+    "--gpus", min=1, rich_help_panel=_PLAN, help="GPUs per node (not the total: world size = --gpus × --nodes).",
+)]
+Nodes = Annotated[int, typer.Option("--nodes", min=1, rich_help_panel=_PLAN, help="Number of nodes.")]
+ModelParallel = Annotated[int, typer.Option(
+    "--model-parallel", min=1, rich_help_panel=_PLAN, help="Tensor × pipeline parallel degree.",
+)]
+MaxMicro = Annotated[int | None, typer.Option(
+    "--max-micro", min=1, rich_help_panel=_PLAN, help="Largest per-GPU batch allowed (no trial goes above it).",
+)]
+MinMicro = Annotated[int | None, typer.Option(
+    "--min-micro", min=1, rich_help_panel=_PLAN, show_default="2 with BatchNorm, else 1",
+    help="Smallest per-GPU batch.",
+)]
+MultipleOf = Annotated[int | None, typer.Option(
+    "--multiple-of", min=1, rich_help_panel=_PLAN, help="Per-GPU batch must be a multiple of this.",
+)]
+Headroom = Annotated[str, typer.Option(
+    "--headroom", help="Memory kept free for the safe batch: 5%, 0.05 or 2GiB.",
+)]
+DeviceName = Annotated[str | None, typer.Option(
+    "--device", show_default="every CUDA GPU here", help="cuda, cuda:N, or cpu (with --memory: a simulated budget).",
+)]
+SimulatedMemory = Annotated[str | None, typer.Option(
+    "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB.",
+)]
+GpuName = Annotated[str | None, typer.Option(
+    "--gpu", show_default="a100-80gb", help="A GPU from `autobatch gpus` to estimate for.",
+)]
+GpuMemory = Annotated[str | None, typer.Option(
+    "--gpu-memory", help="Estimate for a GPU not in `autobatch gpus` by its total memory, e.g. 40GiB (instead of --gpu).",
+)]
+
+DeepSpeedOut = Annotated[str | None, typer.Option(
+    "--deepspeed", rich_help_panel=_OUT, help="Write the batch keys into this DeepSpeed JSON (its other keys are kept).",
+)]
+AccelerateOut = Annotated[str | None, typer.Option(
+    "--accelerate", rich_help_panel=_OUT, help="Write an accelerate config YAML here.",
+)]
+HfOut = Annotated[str | None, typer.Option(
+    "--hf", rich_help_panel=_OUT, help="Write HF TrainingArguments batch values (JSON) here.",
+)]
+Script = Annotated[str, typer.Option(
+    "--script", rich_help_panel=_OUT, help="Training script shown in the launch lines.",
+)]
+AsJson = Annotated[bool, typer.Option(
+    "--json", rich_help_panel=_OUT, help="Print one JSON object on stdout (errors too, as {\"error\": …}).",
+)]
+
+
+def size_value(text: str, flag: str) -> int:
+    """A memory size such as ``2GiB``; a bad one is an error that names ``flag``."""
+    from ..units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except AutobatchError:
+        raise AutobatchError(
+            f"{flag} must be a positive size with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), "
+            f"but got {text!r}; write e.g. 2GiB"
+        ) from None
 
 
 def headroom_value(text: str) -> float | str:
-    """``0.05`` as a fraction; ``5%`` and ``2GiB`` go to the library, which explains a bad value."""
+    """``--headroom`` as the library takes it: a fraction (``0.05``, ``5%``) or a size (``2GiB``)."""
+    value = text.strip()
     try:
-        return float(text)
+        fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:
-        return text
+        fraction = None
+    if fraction is not None:
+        if not 0 <= fraction < 1:
+            raise AutobatchError(f"--headroom as a fraction must be in [0, 1), but got {text!r}; write e.g. 5% or 0.05")
+        return fraction
+    try:
+        size_value(value, "--headroom")
+    except AutobatchError:
+        raise AutobatchError(
+            f"--headroom must be a fraction (0.05), a percentage (5%) or a size (2GiB), but got {text!r}"
+        ) from None
+    return value
+
+
+def model_load_options(seq_len: int | None, input_shape: str | None, num_classes: int,
+                       trust_remote_code: bool) -> dict[str, Any]:
+    """The keyword arguments of :func:`autobatch.models.load_model` from the shared model options."""
+    return dict(seq_len=seq_len, input_shape=input_shape, num_classes=num_classes,
+                trust_remote_code=trust_remote_code)

@@ -6,60 +6,78 @@ from typing import Any
 
 import typer
 
-from ._app import cache_app, command, fail
+from ._app import cache_app, command
 from .options import (
+    AsJson,
     DeviceName,
     Dtype,
+    GpusPerNode,
     Headroom,
-    MaxBatch,
+    InputShape,
+    MaxMicro,
     MinMicro,
     ModelSpec,
     MultipleOf,
     Nodes,
+    NumClasses,
     OptimizerName,
     SeqLen,
     SimulatedMemory,
+    Target,
+    TrustRemoteCode,
     headroom_value,
+    model_load_options,
+    size_value,
 )
 
 __all__ = ["tune_command", "cache_list_command", "cache_clear_command"]
 
 
-@command("tune")
+@command("tune", examples=[
+    "autobatch tune --model gpt2 --target 224 --gpus 8",
+    "autobatch tune --model tiny-mlp --target 16 --trials 3 --device cpu --memory 2MiB --max-micro 16",
+])
 def tune_command(
     model: ModelSpec,
-    target: int = typer.Option(..., "--target", help="Global batch per optimizer step."),
-    trials: int = typer.Option(20, "--trials", help="Optuna trials in this run (a resumed study adds to its own)."),
-    gpus: int = typer.Option(1, "--gpus", help="GPUs per node (not the total; world = --gpus × --nodes)."),
+    target: Target,
+    trials: int = typer.Option(20, "--trials", min=1, help="Optuna trials in this run (a resumed study adds to its own)."),
+    gpus: GpusPerNode = 1,
     nodes: Nodes = 1,
-    checkpointing: str = typer.Option("auto", "--checkpointing", help="auto (both when the model supports it), both, on or off."),
-    timed_steps: int = typer.Option(3, "--timed-steps", help="Timed micro steps per plan, after one warm-up step."),
+    grad_checkpointing: bool | None = typer.Option(
+        None, "--grad-checkpointing/--no-grad-checkpointing", rich_help_panel="Model",
+        show_default="both, where the model supports it", help="Time plans with gradient checkpointing on, or off.",
+    ),
+    timed_steps: int = typer.Option(3, "--timed-steps", min=1, help="Timed micro steps per plan, after one warm-up step."),
     seq_len: SeqLen = None,
+    input_shape: InputShape = None,
+    num_classes: NumClasses = 10,
+    trust_remote_code: TrustRemoteCode = False,
     dtype: Dtype = "fp32",
     optimizer: OptimizerName = "adamw",
     headroom: Headroom = "5%",
-    max_batch: MaxBatch = None,
+    max_micro: MaxMicro = None,
     min_micro: MinMicro = None,
     multiple_of: MultipleOf = None,
     device: DeviceName = None,
     memory: SimulatedMemory = None,
     seed: int = typer.Option(0, "--seed", help="Seed of the TPE sampler."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again instead of reading the cache (the study is kept)."),
-    plot: str | None = typer.Option(None, "--plot", help="Write a PNG of memory and throughput here (needs the plot extra)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    plot: str | None = typer.Option(None, "--plot", rich_help_panel="Output",
+                                    help="Write a PNG of memory and throughput here (needs the plot extra)."),
+    as_json: AsJson = False,
 ) -> None:
-    """Time the exact plans for --target (micro x GA x checkpointing) and keep the fastest."""
+    """Time the exact plans for --target (micro × GA × checkpointing) and keep the fastest."""
     import json
 
     from ..models import load_model
     from ..probing.probe import make_backend
     from ..tuning.tune import tune
 
-    settings = {"auto": None, "both": [False, True], "on": [True], "off": [False]}
-    if checkpointing not in settings:
-        fail(f"--checkpointing must be auto, both, on or off, but got {checkpointing!r}")
+    room = headroom_value(headroom)
+    if memory is not None:
+        size_value(memory, "--memory")
     backend = make_backend(device or ("cpu" if memory is not None else None), memory)
-    source = load_model(model, **({} if seq_len is None else {"seq_len": seq_len}))
+    source = load_model(model, **model_load_options(seq_len, input_shape, num_classes, trust_remote_code))
     workload = source.to_workload(optimizer=optimizer, dtype=dtype)
 
     def progress(m: Any) -> None:
@@ -67,15 +85,15 @@ def tune_command(
         typer.echo(f"trial {m.trial_number}: {m.candidate.label}: {rate} ({m.state.lower()})", err=True)
 
     result = tune(workload, target, backend, n_trials=trials, gpus_per_node=gpus, nodes=nodes,
-                  timed_steps=timed_steps, checkpointing=settings[checkpointing], headroom=headroom_value(headroom),
-                  max_batch=max_batch, min_micro=min_micro, multiple_of=multiple_of, seed=seed,
+                  timed_steps=timed_steps, checkpointing=None if grad_checkpointing is None else [grad_checkpointing],
+                  headroom=room, max_batch=max_micro, min_micro=min_micro, multiple_of=multiple_of, seed=seed,
                   use_cache=not no_cache, on_trial=progress)
     if plot is not None:
         from ..tuning.plot import plot_tune
 
         plot_tune(result, plot)
     if as_json:
-        typer.echo(json.dumps({**result.to_dict(), **({"plot": plot} if plot else {})}, indent=2))
+        typer.echo(json.dumps({**result.to_dict(), **({"plot": plot} if plot else {})}, indent=2, ensure_ascii=False))
         return
     typer.echo(str(result))
     typer.echo("plan: " + result.best.candidate.plan.describe())
@@ -83,8 +101,8 @@ def tune_command(
         typer.echo(f"wrote {plot} (plot)")
 
 
-@cache_app.command("list")
-def cache_list_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+@command("list", on=cache_app, examples=["autobatch cache list --json"])
+def cache_list_command(as_json: AsJson = False) -> None:
     """List cached probe results, newest first, and the tuning studies."""
     import json
 
@@ -108,7 +126,7 @@ def cache_list_command(as_json: bool = typer.Option(False, "--json", help="Print
         typer.echo(f"  study {study['name']}: {study['trials']} trials")
 
 
-@cache_app.command("clear")
+@command("clear", on=cache_app, examples=["autobatch cache clear"])
 def cache_clear_command() -> None:
     """Delete every cached probe result and the tuning studies."""
     from ..tuning.cache import cache_dir, clear

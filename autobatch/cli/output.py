@@ -1,0 +1,57 @@
+"""What commands print: a plan with its launch lines, files written, and consoles that never wrap a pipe.
+
+``solve``, ``find`` and ``estimate`` print a plan the same way (:func:`print_plan`). Output that
+goes to a file or another program is not wrapped at 80 columns (:func:`console`): a line such
+as the HF flags stays one line that a script can read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+__all__ = ["console", "plan_lines", "print_plan", "print_written"]
+
+_UNWRAPPED = 10_000  # columns for output that is not a terminal: no line is ever folded
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich Console for stdout (or stderr): the terminal's width, or unwrapped when redirected."""
+    import sys
+
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    tty = getattr(stream, "isatty", lambda: False)()
+    return Console(file=stream, soft_wrap=not tty, width=None if tty else _UNWRAPPED)
+
+
+def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | None = None,
+               script: str = "train.py") -> list[str]:
+    """The HF, Lightning, torchrun (and accelerate) lines that run ``plan``, one per framework."""
+    from ..configs import accelerate_command, hf_flags, lightning_settings, torchrun_command
+
+    lightning = lightning_settings(plan)
+    trainer = ", ".join(f"{k}={v}" for k, v in lightning["trainer"].items())
+    lines = [
+        f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed))}",
+        f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})",
+        f"torchrun: {torchrun_command(plan, script)}",
+    ]
+    if accelerate is not None:
+        lines.append(f"accelerate: {accelerate_command(plan, script, config_file=accelerate, deepspeed_config_file=deepspeed)}")
+    return lines
+
+
+def print_plan(plan: Any, *, label: str = "", deepspeed: str | None = None, accelerate: str | None = None,
+               script: str = "train.py") -> None:
+    """The plan's arithmetic, then the line each framework needs to run it."""
+    typer.echo(label + plan.describe())
+    for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script):
+        typer.echo(line)
+
+
+def print_written(written: dict[str, str]) -> None:
+    for kind, path in written.items():
+        typer.echo(f"wrote {path} ({kind.replace('_', ' ')})")

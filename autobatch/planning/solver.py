@@ -13,12 +13,15 @@ import numbers
 from collections.abc import Mapping
 
 from ..errors import AutobatchError
+from .divisors import MAX_INT, divisors
 from .plan import LRAdvice, Plan, require_positive_int
 
 __all__ = ["solve", "exact_plans", "NoExactPlanError"]
 
 # How many alternative world sizes an error lists on each side of the current one.
 _WORLD_SIZES_EACH_SIDE = 3
+# Up to this many allowed micro batches are tried one by one; beyond, the divisors are listed.
+_LISTED = 4096
 
 
 class NoExactPlanError(AutobatchError):
@@ -50,17 +53,6 @@ class NoExactPlanError(AutobatchError):
         super().__init__(message)
 
 
-def _divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in ascending order, in O(sqrt n)."""
-    small, large = [], []
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            small.append(d)
-            if d != n // d:
-                large.append(n // d)
-    return small + large[::-1]
-
-
 class _Allowed:
     """Which micro batches the constraints allow: min ≤ m ≤ max and m a multiple of ``multiple_of``."""
 
@@ -72,8 +64,34 @@ class _Allowed:
     def __call__(self, m: int) -> bool:
         return m >= self.min_micro and (self.max_micro is None or m <= self.max_micro) and m % self.multiple_of == 0
 
+    @property
+    def smallest(self) -> int:
+        """The smallest allowed micro batch (``_validate`` made sure it is within ``max_micro``)."""
+        return -(-self.min_micro // self.multiple_of) * self.multiple_of
+
+    def _few(self) -> range | None:
+        """Every allowed micro batch, when ``max_micro`` keeps them few enough to list."""
+        if self.max_micro is None:
+            return None
+        span = range(self.smallest, self.max_micro + 1, self.multiple_of)
+        return span if len(span) <= _LISTED else None
+
     def micros_dividing(self, per_rank: int) -> list[int]:
-        return [m for m in _divisors(per_rank) if self(m)]
+        few = self._few()
+        if few is not None:
+            return [m for m in few if per_rank % m == 0]
+        return [m for m in divisors(per_rank) if self(m)]
+
+    def divides_some(self, k: int) -> bool:
+        """Whether some allowed micro batch divides ``k`` (without listing them when that is obvious)."""
+        if k % self.multiple_of or k < self.smallest:
+            return False  # every allowed micro is a multiple of multiple_of and at least the smallest
+        if self.max_micro is None or k <= self.max_micro:
+            return True  # k itself is allowed
+        few = self._few()
+        if few is not None:
+            return any(k % m == 0 for m in few)
+        return bool(self.micros_dividing(k))
 
     def describe(self) -> str:
         parts = [f"≥ {self.min_micro}" if self.min_micro > 1 else "", f"≤ {self.max_micro}" if self.max_micro else ""]
@@ -92,6 +110,9 @@ def _validate(
     model_parallel: object,
 ) -> tuple[int, int, int, int | None, int, int | None, int]:
     target = require_positive_int("target", target, fix="pass the global batch size you want, e.g. 256")
+    if target >= MAX_INT:
+        # Divisors of a number past 2**64 could take longer than anyone waits; no batch is that big.
+        raise AutobatchError(f"target must be below 2**64, but got target={target}; pass the global batch you train with")
     gpus_per_node = require_positive_int("gpus_per_node", gpus_per_node, fix="pass the number of GPUs on each node")
     nodes = require_positive_int("nodes", nodes, fix="pass the number of nodes, 1 for a single machine")
     min_micro = require_positive_int("min_micro", min_micro, fix="use 1, or 2 for models with BatchNorm")
@@ -158,26 +179,47 @@ def _lr_advice(base_lr: object, base_batch: object, global_batch: int) -> LRAdvi
 def _nearest_achievable(target: int, world: int, allowed: _Allowed) -> tuple[int | None, int]:
     """Largest achievable global batch below ``target`` and smallest above, on ``world`` ranks.
 
-    A global batch ``world × k`` is achievable when some allowed micro batch divides ``k``. Any
-    multiple of the smallest allowed micro is achievable, so each search ends within that many steps.
+    A global batch ``world × k`` is achievable when some allowed micro batch divides ``k``. Only
+    multiples of ``multiple_of`` can be, and any multiple of the smallest allowed micro is, so
+    each search visits at most ``smallest / multiple_of`` values of ``k`` (or, when the allowed
+    micro batches are few, takes the nearest multiple of each).
     """
+    step, smallest = allowed.multiple_of, allowed.smallest
+    low, high = (target - 1) // world, target // world + 1
+    few = allowed._few()
+    if few is not None:
+        below_k = max((low // m * m for m in few if low >= m), default=0)
+        above_k = min(-(-high // m) * m for m in few)
+        return (world * below_k if below_k else None), world * above_k
     below = None
-    for k in range((target - 1) // world, 0, -1):
-        if allowed.micros_dividing(k):
+    k = low // step * step
+    while k >= smallest:
+        if allowed.divides_some(k):
             below = world * k
             break
-    k = target // world + 1
-    while not allowed.micros_dividing(k):
-        k += 1
+        k -= step
+    k = max(-(-high // step) * step, smallest)
+    while not allowed.divides_some(k):
+        k += step
     return below, world * k
 
 
 def _working_world_sizes(target: int, world: int, allowed: _Allowed) -> tuple[int, ...]:
     """Data-parallel world sizes that reach ``target`` exactly, the nearest few on each side of ``world``."""
-    fits = [w for w in _divisors(target) if w != world and allowed.micros_dividing(target // w)]
-    lower = [w for w in fits if w < world][-_WORLD_SIZES_EACH_SIDE:]
-    upper = [w for w in fits if w > world][:_WORLD_SIZES_EACH_SIDE]
-    return tuple(lower + upper)
+    sizes = divisors(target)
+
+    def nearest(candidates: list[int]) -> list[int]:
+        found = []
+        for w in candidates:
+            if allowed.divides_some(target // w):
+                found.append(w)
+                if len(found) == _WORLD_SIZES_EACH_SIDE:
+                    break
+        return found
+
+    lower = nearest([w for w in reversed(sizes) if w < world])
+    upper = nearest([w for w in sizes if w > world])
+    return tuple(lower[::-1] + upper)
 
 
 def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: _Allowed) -> NoExactPlanError:

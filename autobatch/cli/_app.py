@@ -15,7 +15,7 @@ import typer
 
 from ..errors import AutobatchError
 
-__all__ = ["app", "cache_app", "command", "fail"]
+__all__ = ["app", "cache_app", "command", "fail", "outputs"]
 
 app = typer.Typer(
     name="autobatch",
@@ -26,6 +26,12 @@ app = typer.Typer(
 )
 cache_app = typer.Typer(help="The on-disk cache of probe results and tuning studies.", no_args_is_help=True)
 _state = {"debug": False}
+_outputs: dict[str, str] = {}  # files the running command has written, for the Ctrl-C message
+
+
+def outputs() -> dict[str, str]:
+    """The dict a command fills with ``{kind: path}`` as it writes files (see ``write_plan_configs``)."""
+    return _outputs
 
 
 @app.callback()
@@ -42,6 +48,7 @@ def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callabl
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*a: Any, **kw: Any) -> Any:
+            _outputs.clear()
             try:
                 return fn(*a, **kw)
             except AutobatchError as exc:
@@ -49,6 +56,12 @@ def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callabl
                     raise
                 typer.echo(f"Error: {exc}", err=True)
                 raise typer.Exit(2) from None
+            except KeyboardInterrupt:
+                if _state["debug"]:
+                    raise
+                done = ", ".join(f"{path} ({kind.replace('_', ' ')})" for kind, path in _outputs.items())
+                typer.echo(f"interrupted; {'wrote ' + done if done else 'nothing was written'}", err=True)
+                raise typer.Exit(130) from None  # 128 + SIGINT, as a shell reports it
 
         return app.command(*args, **kwargs)(wrapper)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from ..configs import accelerate_command, hf_flags, lightning_settings, torchrun_command
-from ._app import command
+from ._app import command, outputs
 from .options import ModelParallel, MultipleOf, Nodes
 
 # --gpus is GPUs per node in both commands (the world size is --gpus × --nodes).
@@ -42,9 +42,12 @@ def solve_command(
         target, gpus, nodes, max_micro, min_micro=min_micro, multiple_of=multiple_of,
         model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch,
     )
-    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, keep_auto=keep_auto)
+    changes: list[str] = []
+    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, keep_auto=keep_auto,
+                                 written=outputs(), changes=changes)
     if as_json:
-        typer.echo(json.dumps({**plan.to_dict(), **written}, indent=2, ensure_ascii=False))
+        typer.echo(json.dumps({**plan.to_dict(), **written, **({"changes": changes} if changes else {})},
+                              indent=2, ensure_ascii=False))
         return
     hf = hf_flags(plan, deepspeed)
     lightning = lightning_settings(plan)
@@ -57,6 +60,8 @@ def solve_command(
         typer.echo(f"accelerate: {accelerate_command(plan, script, config_file=accelerate, deepspeed_config_file=deepspeed)}")
     for kind, path in written.items():
         typer.echo(f"wrote {path} ({kind.replace('_', ' ')})")
+    for line in changes:
+        typer.echo(f"updated {line}")
 
 
 @command("check")

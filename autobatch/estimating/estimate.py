@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import AutobatchError, NoBatchFitsError
-from ..modelinfo import min_batch_for
+from ..modelinfo import min_batch_for, require_materialized
 from ..probing.backends import DeviceInfo, SimulatedBackend
 from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
 from ..probing.result import BatchResult
@@ -191,7 +191,8 @@ def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode
             built = model()
         if not isinstance(built, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(built).__name__}")
-        return built
+        return require_materialized(built)
+    require_materialized(model)
     if _mode_of(model) is fake_mode:
         return model
     memo: dict[int, Any] = {}

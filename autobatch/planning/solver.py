@@ -16,7 +16,7 @@ from ..errors import AutobatchError
 from .divisors import MAX_INT, divisors
 from .plan import LRAdvice, Plan, require_positive_int
 
-__all__ = ["solve", "exact_plans", "NoExactPlanError"]
+__all__ = ["solve", "exact_plans", "check_request", "NoExactPlanError"]
 
 # How many alternative world sizes an error lists on each side of the current one.
 _WORLD_SIZES_EACH_SIDE = 3
@@ -254,6 +254,34 @@ def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, a
         f"{nearest}{size_text}. Fix: {', or '.join(fixes)}"
     )
     return NoExactPlanError(message, target=target, world_size=world, below=below, above=above, world_sizes=sizes)
+
+
+def check_request(
+    target: int | None = None,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    *,
+    min_micro: int = 1,
+    multiple_of: int | None = None,
+    model_parallel: int = 1,
+) -> None:
+    """Raise now what :func:`solve` would raise after a probe, whatever micro batch the probe allows.
+
+    Bad values, a model-parallel degree that does not divide the GPUs, or a target that no
+    micro batch reaches on this world size are known before the first trial; a probe that ends
+    in one of these errors is minutes lost on a GPU.
+
+    Example:
+        >>> check_request(224, gpus_per_node=3)
+        Traceback (most recent call last):
+        ...
+        autobatch.planning.solver.NoExactPlanError: no exact plan: global batch 224 is not divisible ...
+    """
+    if target is None:
+        _validate(1, gpus_per_node, nodes, None, min_micro, multiple_of, model_parallel)
+    else:
+        solve(target, gpus_per_node, nodes, None, min_micro=min_micro, multiple_of=multiple_of,
+              model_parallel=model_parallel)
 
 
 def exact_plans(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import AutobatchError, MinimumBatchError, NoBatchFitsError
-from ..modelinfo import min_batch_for
+from ..modelinfo import min_batch_for, require_materialized
 from ..units import format_bytes, parse_bytes
 from .backends import CudaBackend, MemoryBackend, SimulatedBackend
 from .preserve import borrowed_model
@@ -139,6 +139,7 @@ def probe(
     model = workload.model() if owned else workload.model
     if not isinstance(model, torch.nn.Module):
         raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
+    require_materialized(model)
     if min_batch is None:
         min_batch = min_batch_for(model)
     if max_batch is not None and max_batch < min_batch:

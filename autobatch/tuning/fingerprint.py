@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
+from ..modelinfo import require_materialized
 from ..probing.backends import DeviceInfo
 from ..probing.workload import Workload
 
@@ -139,7 +140,7 @@ def fingerprint(
         raise AutobatchError(f"wrapper must be 'none' or 'ddp', but got {wrapper!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise AutobatchError(f"world_size must be a positive integer, but got world_size={world_size!r}")
-    model = _build_for_signature(workload.model)
+    model = require_materialized(_build_for_signature(workload.model))
     fields: dict[str, Any] = {
         "model": model_signature(model),
         "batch": batch_signature(workload.make_batch(1)),

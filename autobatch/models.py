@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError, MissingDependencyError
-from .planning.plan import require_positive_int
 from .probing.workload import Workload, default_loss
 
 __all__ = ["ModelSource", "BUILTIN_MODELS", "load_model", "list_models", "count_parameters"]
@@ -237,7 +236,9 @@ def load_model(
         return _lm_source(spec, config, getattr(config, "model_type", ""), seq_len, min(_max_positions(config) or 1024, 1024),
                           trust_remote_code)
     if ":" in spec:
-        require_positive_int("num_classes", num_classes, fix="pass the number of classes your model outputs (--num-classes)")
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise AutobatchError(f"num_classes must be a positive integer, but got num_classes={num_classes!r}; "
+                                 "pass the number of classes your model outputs (--num-classes)")
         built = _import_function(spec)()
         if isinstance(built, Workload):
             model = built.model if isinstance(built.model, torch.nn.Module) else built.model()

@@ -48,7 +48,7 @@ def test_broken_deepspeed_json_without_hjson_is_one_problem(tmp_path, monkeypatc
 @pytest.mark.parametrize("suffix, text", [
     (".json", "[" * 100_000 + "]" * 100_000),
     (".yaml", "[" * 100_000 + "]" * 100_000),
-])
+], ids=["json", "yaml"])
 def test_deeply_nested_config_is_one_line(tmp_path, suffix, text):
     path = tmp_path / f"deep{suffix}"
     path.write_text(text)
@@ -110,3 +110,63 @@ def test_cache_clear_on_a_read_only_cache_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(pathlib.Path, "unlink", refuse)
     line = one_line_error(invoke("cache", "clear"))
     assert "Permission denied" in line and str(tmp_path) in line
+
+
+def test_tune_on_a_cache_it_cannot_write_is_one_line_before_any_probe(tmp_path, monkeypatch):
+    pytest.importorskip("optuna", reason="needs the tune extra")
+    import importlib
+
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tune.db").mkdir()  # the study file cannot be opened (as on a read-only cache)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("probed before the study store was checked")
+
+    monkeypatch.setattr(importlib.import_module("autobatch.probing.probe"), "run_trial", refuse)
+    line = one_line_error(invoke("tune", "--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "4MiB"))
+    assert "must be writable" in line and "AUTOBATCH_CACHE_DIR" in line
+
+
+def test_tune_prints_no_optuna_traceback_before_the_one_line_error(capfd, monkeypatch):
+    pytest.importorskip("optuna", reason="needs the tune extra")
+    import importlib
+
+    from autobatch.errors import AutobatchError
+
+    def broken(*args, **kwargs):
+        raise AutobatchError("timing refused on purpose")
+
+    monkeypatch.setattr(importlib.import_module("autobatch.tuning.tune"), "time_plan", broken)
+    result = invoke("tune", "--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "4MiB",
+                    "--trials", "1", "--checkpointing", "off", "--no-cache")
+    assert result.exit_code == 2 and "timing refused on purpose" in result.stderr
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err + captured.out + result.output
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_during_the_probe_exits_130_saying_nothing_was_written(monkeypatch, tmp_path):
+    import importlib
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("autobatch.pipeline"), "find_plan", interrupted)
+    result = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB",
+                    "--deepspeed", str(tmp_path / "ds.json"))
+    assert one_line_error(result, 130) == "interrupted; nothing was written"
+    assert not (tmp_path / "ds.json").exists()
+
+
+def test_ctrl_c_between_two_files_says_what_was_written(monkeypatch, tmp_path):
+    import importlib
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("autobatch.configs.bundle"), "write_accelerate_config", interrupted)
+    ds = tmp_path / "ds.json"
+    result = invoke("solve", "--target", "8", "--deepspeed", str(ds), "--accelerate", str(tmp_path / "acc.yaml"))
+    assert one_line_error(result, 130) == f"interrupted; wrote {ds} (deepspeed config)"

@@ -42,8 +42,8 @@ def _root(
     _state["debug"] = debug or os.environ.get("AUTOBATCH_DEBUG", "") not in ("", "0")
 
 
-def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``app.command`` that turns AutobatchError into one line and exit code 2."""
+def command(*args: Any, group: typer.Typer | None = None, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``app.command`` (or ``group.command``) that turns AutobatchError into one line and exit code 2."""
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -63,7 +63,7 @@ def command(*args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callabl
                 typer.echo(f"interrupted; {'wrote ' + done if done else 'nothing was written'}", err=True)
                 raise typer.Exit(130) from None  # 128 + SIGINT, as a shell reports it
 
-        return app.command(*args, **kwargs)(wrapper)
+        return (group or app).command(*args, **kwargs)(wrapper)
 
     return register
 

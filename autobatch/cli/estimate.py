@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from ..configs import hf_flags
-from ._app import command, fail
+from ._app import command, fail, outputs
 from .options import (
     Dtype,
     Headroom,
@@ -44,21 +44,25 @@ def estimate_command(
     workspace: str = typer.Option("64MiB", "--workspace", help="cuBLAS/cuDNN workspaces assumed."),
     deepspeed: str | None = typer.Option(None, "--deepspeed", help="With --target: write the batch keys into this DeepSpeed JSON."),
     accelerate: str | None = typer.Option(None, "--accelerate", help="With --target: write an accelerate config YAML here."),
+    hf: str | None = typer.Option(None, "--hf", help="With --target: write HF TrainingArguments values (JSON) here."),
     as_json: bool = typer.Option(False, "--json", help='Print one JSON object (it carries "estimated": true).'),
 ) -> None:
     """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used."""
     import json
 
-    from ..configs import write_plan_configs
+    from ..configs import check_plan_outputs, write_plan_configs
     from ..estimating.estimate import estimate, load_fake_model
     from ..estimating.gpus import resolve_gpu
     from ..estimating.overheads import Overheads
-    from ..planning.solver import solve
+    from ..pipeline import plan_summary
+    from ..planning.solver import check_request, solve
     from ..units import parse_bytes
 
     spec = resolve_gpu(gpu, gpu_memory)  # an unknown name fails here, before any model is built
-    if (deepspeed or accelerate) and target is None:
-        fail("--deepspeed and --accelerate write a plan, which needs --target (the global batch); add --target N")
+    if (deepspeed or accelerate or hf) and target is None:
+        fail("--deepspeed, --accelerate and --hf write a plan, which needs --target (the global batch); add --target N")
+    check_request(target, gpus, nodes, min_micro=min_micro or 1, multiple_of=multiple_of, model_parallel=model_parallel)
+    check_plan_outputs(deepspeed=deepspeed, accelerate=accelerate, hf=hf)
     overheads = Overheads(fragmentation=fragmentation, workspace_bytes=parse_bytes(workspace))
     source = load_fake_model(model, seq_len=seq_len)
     workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
@@ -66,17 +70,19 @@ def estimate_command(
                       min_batch=min_micro)
     plan = None
     written: dict[str, str] = {}
+    changes: list[str] = []
     if target is not None:
         plan = solve(target, gpus, nodes, result.safe_batch, min_micro=result.min_batch, multiple_of=multiple_of,
                      model_parallel=model_parallel)
-        written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate)
+        written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, written=outputs(),
+                                     changes=changes)
     if as_json:
-        # The same top-level keys as `find --json`, so scripts read either the same way.
-        data = {"max_micro": result.max_batch, "safe_micro": result.safe_batch,
-                **(plan.to_dict() if plan is not None else {}), **result.to_dict()}
+        # The same top-level keys as `find --json` (max_batch, safe_batch, the plan's numbers, plan),
+        # so scripts read either the same way.
+        data = {**(plan_summary(plan) if plan is not None else {}), **result.to_dict()}
         if plan is not None:
             data["plan"] = plan.to_dict()
-        typer.echo(json.dumps({**data, **written}, indent=2))
+        typer.echo(json.dumps({**data, **written, **({"changes": changes} if changes else {})}, indent=2))
         return
     typer.echo(f"note: these are estimates for {spec.name} from a fake-tensor trace (no GPU used); "
                "probe on the GPU itself for exact figures")
@@ -86,6 +92,8 @@ def estimate_command(
         typer.echo(f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed))}")
     for kind, path in written.items():
         typer.echo(f"wrote {path} ({kind.replace('_', ' ')})")
+    for line in changes:
+        typer.echo(f"updated {line}")
 
 
 @command("gpus")

@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from ..configs import hf_flags
-from ._app import command
+from ._app import command, fail, outputs
 from .options import (
     DeviceName,
     Dtype,
@@ -88,15 +88,20 @@ def find_command(
     import torch
     from rich.console import Console
 
-    from ..configs import write_plan_configs
+    from ..configs import check_plan_outputs, write_plan_configs
     from ..models import load_model
     from ..pipeline import find_plan
+    from ..planning.solver import check_request
     from ..probing.probe import make_backend
 
-    if device is None and memory is None and not torch.cuda.is_available():
+    check_plan_outputs(deepspeed=deepspeed, accelerate=accelerate, hf=hf)  # before any trial: a typo
+    if device is None and memory is None and not torch.cuda.is_available():  # must not cost a probe
         # No GPU to probe: estimate for a named one (fake-tensor trace), saying so first.
-        typer.echo(f"note: no CUDA GPU here, so these are estimates for {gpu} (--gpu; default a100-80gb); "
-                   "for real training steps on the CPU pass --device cpu --memory 8GiB", err=True)
+        if plot is not None:
+            fail("--plot draws the trials of a probe, and with no CUDA GPU here there is none (an estimate runs "
+                 "instead); drop --plot, or run find on the GPU machine")
+        typer.echo(f"note: no CUDA GPU here, so these are estimates for {gpu} from a fake-tensor trace (pick your card "
+                   "with --gpu, see `autobatch gpus`); run find on the GPU machine for exact figures", err=True)
         from .estimate import estimate_command
 
         estimate_command(
@@ -104,9 +109,13 @@ def find_command(
             model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, dtype=dtype,
             optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_batch=max_batch,
             min_micro=min_micro, fragmentation=1.05, workspace="64MiB", deepspeed=deepspeed, accelerate=accelerate,
-            as_json=as_json,
+            hf=hf, as_json=as_json,
         )
         return
+    if plot is not None:
+        from ..tuning.plot import check_plot_path
+
+        check_plot_path(plot)
     from ..distributed.launch import (
         is_launched,
         is_main_process,
@@ -121,6 +130,14 @@ def find_command(
     options = dict(max_batch=max_batch, min_batch=min_micro, headroom=headroom_value(headroom))
     planning = dict(target=target, nodes=nodes, model_parallel=model_parallel, multiple_of=multiple_of)
     console = Console(stderr=True)
+    if gpus is not None:
+        here = gpus
+    elif is_launched():
+        env = rank_env()
+        here = env.local_world_size
+    else:  # what the plan will take: the GPUs visible here, 1 on the CPU
+        here = max(1, local_gpu_count()) if memory is None and (device or "cuda").startswith("cuda") else 1
+    check_request(target, here, nodes, min_micro=min_micro or 1, multiple_of=multiple_of, model_parallel=model_parallel)
     if is_launched():
         # Under torchrun / accelerate launch: every rank probes its own device, in lockstep.
         from ..distributed.lockstep import probe_distributed
@@ -154,15 +171,17 @@ def find_command(
                                 min_micro=min_micro, headroom=headroom_value(headroom), on_trial=progress,
                                 use_cache=not no_cache, **planning)
     plan = finding.plan
-    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf)
-    if as_json:
-        typer.echo(json.dumps({**finding.to_dict(), **written}, indent=2))
-        return
+    changes: list[str] = []
+    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, written=outputs(),
+                                 changes=changes)
     if plot is not None:
         from ..tuning.plot import plot_probe
 
         plot_probe(finding.probe, plot, chosen=plan.micro_batch)
         written["plot"] = plot
+    if as_json:
+        typer.echo(json.dumps({**finding.to_dict(), **written, **({"changes": changes} if changes else {})}, indent=2))
+        return
     out = Console()
     out.print(_device_line(finding.probe.device), highlight=False)
     if finding.ranks_report:
@@ -173,3 +192,5 @@ def find_command(
     out.print(f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed))}", highlight=False)
     for kind, path in written.items():
         out.print(f"wrote {path} ({kind.replace('_', ' ')})", highlight=False)
+    for line in changes:
+        out.print(f"updated {line}", highlight=False)

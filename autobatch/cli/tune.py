@@ -58,6 +58,10 @@ def tune_command(
     settings = {"auto": None, "both": [False, True], "on": [True], "off": [False]}
     if checkpointing not in settings:
         fail(f"--checkpointing must be auto, both, on or off, but got {checkpointing!r}")
+    if plot is not None:
+        from ..tuning.plot import check_plot_path
+
+        check_plot_path(plot)  # before the probes and timings, not after
     backend = make_backend(device or ("cpu" if memory is not None else None), memory)
     source = load_model(model, **({} if seq_len is None else {"seq_len": seq_len}))
     workload = source.to_workload(optimizer=optimizer, dtype=dtype)
@@ -83,7 +87,7 @@ def tune_command(
         typer.echo(f"wrote {plot} (plot)")
 
 
-@cache_app.command("list")
+@command("list", group=cache_app)
 def cache_list_command(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """List cached probe results, newest first, and the tuning studies."""
     import json
@@ -108,7 +112,7 @@ def cache_list_command(as_json: bool = typer.Option(False, "--json", help="Print
         typer.echo(f"  study {study['name']}: {study['trials']} trials")
 
 
-@cache_app.command("clear")
+@command("clear", group=cache_app)
 def cache_clear_command() -> None:
     """Delete every cached probe result and the tuning studies."""
     from ..tuning.cache import cache_dir, clear

@@ -53,7 +53,8 @@ class Estimate(BatchResult):
     ``max_batch`` is the largest batch whose traced peak, with overheads, stays within
     ``capacity_bytes`` (the GPU's usable memory); ``safe_batch`` keeps ``headroom_bytes`` free
     too. Trials hold GPU-reserved figures (overheads applied); ``traced`` holds the raw tensor
-    bytes of each trial. ``estimated`` is always true: nothing ran on a GPU.
+    bytes of each trial, with the same ``fits`` verdict as ``trials``. ``estimated`` is always
+    true: nothing ran on a GPU.
     """
 
     gpu: GpuSpec
@@ -291,8 +292,8 @@ def estimate(
 
     def run(batch: int) -> Trial:
         raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
-        traced.append(raw)
         trial = _on_gpu(raw, overheads, capacity)
+        traced.append(replace(raw, fits=trial.fits))  # one verdict per batch: the GPU's
         if on_trial is not None:
             on_trial(trial)
         return trial

@@ -66,7 +66,7 @@ class Overheads:
         if isinstance(fragmentation, bool) or not isinstance(fragmentation, (int, float)) \
                 or not math.isfinite(fragmentation) or fragmentation < 1:
             raise AutobatchError(
-                f"fragmentation is reserved/allocated memory and must be a finite number ≥ 1, but got "
+                f"fragmentation is reserved/allocated memory and must be ≥ 1 and finite, but got "
                 f"fragmentation={fragmentation!r}; use e.g. 1.05"
             )
         for name in ("workspace_bytes", "context_bytes"):

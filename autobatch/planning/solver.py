@@ -13,15 +13,13 @@ import numbers
 from collections.abc import Mapping
 
 from ..errors import AutobatchError
-from .divisors import MAX_INT, divisors
+from .divisors import MAX_INT, AllowedMicros, divisors
 from .plan import LRAdvice, Plan, require_positive_int
 
 __all__ = ["solve", "exact_plans", "check_request", "NoExactPlanError"]
 
 # How many alternative world sizes an error lists on each side of the current one.
 _WORLD_SIZES_EACH_SIDE = 3
-# Up to this many allowed micro batches are tried one by one; beyond, the divisors are listed.
-_LISTED = 4096
 
 
 class NoExactPlanError(AutobatchError):
@@ -51,53 +49,6 @@ class NoExactPlanError(AutobatchError):
         self.above = above
         self.world_sizes = world_sizes
         super().__init__(message)
-
-
-class _Allowed:
-    """Which micro batches the constraints allow: min ≤ m ≤ max and m a multiple of ``multiple_of``."""
-
-    def __init__(self, min_micro: int, max_micro: int | None, multiple_of: int | None):
-        self.min_micro = min_micro
-        self.max_micro = max_micro
-        self.multiple_of = multiple_of or 1
-
-    def __call__(self, m: int) -> bool:
-        return m >= self.min_micro and (self.max_micro is None or m <= self.max_micro) and m % self.multiple_of == 0
-
-    @property
-    def smallest(self) -> int:
-        """The smallest allowed micro batch (``_validate`` made sure it is within ``max_micro``)."""
-        return -(-self.min_micro // self.multiple_of) * self.multiple_of
-
-    def _few(self) -> range | None:
-        """Every allowed micro batch, when ``max_micro`` keeps them few enough to list."""
-        if self.max_micro is None:
-            return None
-        span = range(self.smallest, self.max_micro + 1, self.multiple_of)
-        return span if len(span) <= _LISTED else None
-
-    def micros_dividing(self, per_rank: int) -> list[int]:
-        few = self._few()
-        if few is not None:
-            return [m for m in few if per_rank % m == 0]
-        return [m for m in divisors(per_rank) if self(m)]
-
-    def divides_some(self, k: int) -> bool:
-        """Whether some allowed micro batch divides ``k`` (without listing them when that is obvious)."""
-        if k % self.multiple_of or k < self.smallest:
-            return False  # every allowed micro is a multiple of multiple_of and at least the smallest
-        if self.max_micro is None or k <= self.max_micro:
-            return True  # k itself is allowed
-        few = self._few()
-        if few is not None:
-            return any(k % m == 0 for m in few)
-        return bool(self.micros_dividing(k))
-
-    def describe(self) -> str:
-        parts = [f"≥ {self.min_micro}" if self.min_micro > 1 else "", f"≤ {self.max_micro}" if self.max_micro else ""]
-        if self.multiple_of > 1:
-            parts.append(f"a multiple of {self.multiple_of}")
-        return ", ".join(p for p in parts if p) or "any size"
 
 
 def _validate(
@@ -176,7 +127,7 @@ def _lr_advice(base_lr: object, base_batch: object, global_batch: int) -> LRAdvi
     return LRAdvice(base_lr=float(base_lr), base_batch=base_batch, global_batch=global_batch)
 
 
-def _nearest_achievable(target: int, world: int, allowed: _Allowed) -> tuple[int | None, int]:
+def _nearest_achievable(target: int, world: int, allowed: AllowedMicros) -> tuple[int | None, int]:
     """Largest achievable global batch below ``target`` and smallest above, on ``world`` ranks.
 
     A global batch ``world × k`` is achievable when some allowed micro batch divides ``k``. Only
@@ -204,7 +155,7 @@ def _nearest_achievable(target: int, world: int, allowed: _Allowed) -> tuple[int
     return below, world * k
 
 
-def _working_world_sizes(target: int, world: int, allowed: _Allowed) -> tuple[int, ...]:
+def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tuple[int, ...]:
     """Data-parallel world sizes that reach ``target`` exactly, the nearest few on each side of ``world``."""
     sizes = divisors(target)
 
@@ -222,7 +173,7 @@ def _working_world_sizes(target: int, world: int, allowed: _Allowed) -> tuple[in
     return tuple(lower[::-1] + upper)
 
 
-def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: _Allowed) -> NoExactPlanError:
+def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: AllowedMicros) -> NoExactPlanError:
     world = gpus_per_node * nodes // model_parallel
     mp = f" ÷ {model_parallel} model-parallel" if model_parallel > 1 else ""
     ranks = f"world size {world} ({gpus_per_node} per node × {nodes} node{'s' if nodes != 1 else ''}{mp})"
@@ -308,7 +259,7 @@ def exact_plans(
     world = gpus_per_node * nodes // model_parallel
     if target % world:
         return []
-    allowed = _Allowed(min_micro, max_micro, multiple_of)
+    allowed = AllowedMicros(min_micro, max_micro, multiple_of)
     per_rank = target // world
     return [
         Plan(
@@ -371,7 +322,7 @@ def solve(
     )
     times = _validate_step_times(step_times)
     lr_advice = _lr_advice(base_lr, base_batch, target)
-    allowed = _Allowed(min_micro, max_micro, multiple_of)
+    allowed = AllowedMicros(min_micro, max_micro, multiple_of)
     world = gpus_per_node * nodes // model_parallel
     micros = allowed.micros_dividing(target // world) if target % world == 0 else []
     if not micros:

@@ -26,6 +26,7 @@ from ..probing.probe import DEFAULT_HEADROOM, make_backend, probe
 from ..probing.result import ProbeResult
 from ..probing.trial import Trial
 from ..probing.workload import Workload
+from .entry import entry_problem
 from .fingerprint import Fingerprint, fingerprint
 
 __all__ = [
@@ -167,6 +168,10 @@ def load(fp: Fingerprint, *, root: Path | None = None, capacity: int | None = No
         result = probe_result_from_dict(data["result"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         _warn(path, f"malformed result: {type(exc).__name__}")
+        return None
+    problem = entry_problem(result)
+    if problem is not None:  # a damaged or edited entry: never serve a plan from it
+        _warn(path, problem)
         return None
     if capacity is not None:
         total = result.device.total_bytes or result.capacity_bytes

@@ -133,13 +133,20 @@ def test_tune_prints_no_optuna_traceback_before_the_one_line_error(capfd, monkey
 
     from autobatch.errors import AutobatchError
 
+    import optuna
+
+    levels = []
+
     def broken(*args, **kwargs):
+        levels.append(optuna.logging.get_verbosity())  # what optuna logs when this trial fails
         raise AutobatchError("timing refused on purpose")
 
     monkeypatch.setattr(importlib.import_module("autobatch.tuning.tune"), "time_plan", broken)
     result = invoke("tune", "--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "4MiB",
                     "--trials", "1", "--checkpointing", "off", "--no-cache")
     assert result.exit_code == 2 and "timing refused on purpose" in result.stderr
+    # optuna logs a failed trial's traceback at WARNING: it must be below the level in force
+    assert levels and all(level > optuna.logging.WARNING for level in levels)
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err + captured.out + result.output
 

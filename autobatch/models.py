@@ -265,6 +265,9 @@ def load_model(
         return _lm_source(spec, config, getattr(config, "model_type", ""), seq_len, min(_max_positions(config) or 1024, 1024),
                           trust_remote_code)
     if ":" in spec:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise AutobatchError(f"num_classes must be a positive integer, but got num_classes={num_classes!r}; "
+                                 "pass the number of classes your model outputs (--num-classes)")
         model, workload = _user_model(spec)
         if workload is not None:
             return ModelSource(spec, model, workload.make_batch, workload.loss_fn, task="custom", workload=workload)

@@ -17,7 +17,7 @@ from .probing.probe import DEFAULT_HEADROOM, ProbeResult, for_data_parallel, mak
 from .probing.trial import Trial
 from .probing.workload import Workload, default_loss
 
-__all__ = ["Finding", "find", "find_plan", "plan_from_probe", "probe_worker", "local_gpu_count"]
+__all__ = ["Finding", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "local_gpu_count"]
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,13 @@ class Finding:
     ranks_report: str | None = None  # the per-rank table when every rank probed its own device
 
     def to_dict(self) -> dict[str, Any]:
+        """One value per figure: ``max_batch``/``safe_batch`` are the probe's, the plan's own
+        limits (``max_micro`` is the safe batch it was allowed) live under ``plan``."""
         return {
-            "max_micro": self.probe.max_batch,
-            "safe_micro": self.probe.safe_batch,
-            **self.plan.to_dict(),
+            **plan_summary(self.plan),
+            "max_batch": self.probe.max_batch,
+            "safe_batch": self.probe.safe_batch,
+            "plan": self.plan.to_dict(),
             "probe": self.probe.to_dict(),
             "trials": [t.to_dict() for t in self.probe.trials],
             "estimated": False,
@@ -42,6 +45,12 @@ class Finding:
 
     def __str__(self) -> str:
         return f"{self.probe}{' (cached)' if self.cached else ''}\nplan: {self.plan.describe()}"
+
+
+def plan_summary(plan: Plan) -> dict[str, Any]:
+    """The plan's numbers for the top level of a JSON answer, without its ``max_micro``: next to a
+    probe's ``max_batch`` that name read as the largest batch that fits, which it is not."""
+    return {k: v for k, v in plan.to_dict().items() if k != "max_micro"}
 
 
 def local_gpu_count() -> int:

@@ -225,15 +225,19 @@ _WRITER = textwrap.dedent("""
     from autobatch.probing.backends import DeviceInfo
     from autobatch.tuning.cache import load, store
     from autobatch.tuning.fingerprint import Fingerprint
-    from autobatch.probing.probe import ProbeResult
+    from autobatch.probing.probe import ProbeResult, summarise
     from autobatch.probing.trial import Trial
 
     root, who = Path(sys.argv[1]), int(sys.argv[2])
     fp = Fingerprint(fields={"k": 1}, digest="ab" * 32)
     device = DeviceInfo("simulated", "cpu", None, 1 << 20, 1 << 20, 0, 1 << 20, host="h")
     for i in range(80):
+        # entries must agree with their own trials (the cache checks): max fits, max + 1 does not
+        top = who * 1000 + i
         trials = tuple(Trial(b, True, b * 100, b * 100) for b in range(1, 2 + (i % 40)))
-        result = ProbeResult(max_batch=who * 1000 + i, safe_batch=i, limited_by="memory", min_batch=1, trials=trials,
+        trials += (Trial(top, True, top * 100, top * 100), Trial(top + 1, False, 1 << 20, 1 << 20))
+        safe = summarise(trials, top, 1 << 20).safe_batch
+        result = ProbeResult(max_batch=top, safe_batch=safe, limited_by="memory", min_batch=1, trials=trials,
                              device=device, capacity_bytes=1 << 20, headroom_bytes=0, bytes_per_sample=1.0,
                              fixed_bytes=2.0, safe_peak_bytes=None, safe_peak_measured=False, workload="w" * (i % 300))
         store(fp, result, root=root)

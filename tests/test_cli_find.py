@@ -27,16 +27,16 @@ def test_find_gives_the_exact_max_and_a_consistent_plan():
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     direct = probe(load_model("tiny-gpt2").to_workload(), SimulatedBackend("8MiB"))
-    assert out["max_micro"] == direct.max_batch
-    assert out["safe_micro"] == direct.safe_batch
+    assert out["max_batch"] == direct.max_batch
+    assert out["safe_batch"] == direct.safe_batch
     assert out["micro_batch"] * out["grad_accum"] * out["world_size"] == out["global_batch"] == 96
-    assert out["micro_batch"] <= out["safe_micro"]
+    assert out["micro_batch"] <= out["safe_batch"]
     assert out["estimated"] is False
     assert {"batch", "fits", "peak_bytes"} <= set(out["trials"][0])
     fits = [t for t in out["trials"] if t["fits"]]
     fails = [t for t in out["trials"] if not t["fits"]]
-    assert max(t["batch"] for t in fits) == out["max_micro"]
-    assert min(t["batch"] for t in fails) == out["max_micro"] + 1
+    assert max(t["batch"] for t in fits) == out["max_batch"]
+    assert min(t["batch"] for t in fails) == out["max_batch"] + 1
 
 
 def test_find_prints_device_trials_and_plan_arithmetic():
@@ -72,7 +72,7 @@ def test_own_model_from_a_file(tmp_path):
     res = invoke("find", "--model", f"{file}:build", "--input-shape", "3,8,8", "--num-classes", "5",
                  "--device", "cpu", "--memory", "2MiB", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["max_micro"] > 1
+    assert json.loads(res.stdout)["max_batch"] > 1
 
 
 def test_hf_config_directory_works_offline(tmp_path):
@@ -80,7 +80,7 @@ def test_hf_config_directory_works_offline(tmp_path):
     transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=64).save_pretrained(tmp_path)
     res = invoke("find", "--model", f"hf:{tmp_path}", "--seq-len", "32", "--device", "cpu", "--memory", "4MiB", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["max_micro"] > 0
+    assert json.loads(res.stdout)["max_batch"] > 0
 
 
 @pytest.mark.parametrize(
@@ -107,9 +107,9 @@ def test_no_gpu_and_no_device_estimates_for_the_default_gpu():
         pytest.skip("a GPU is present")
     res = invoke("find", "--model", "tiny-gpt2", "--target", "64", "--json")
     assert res.exit_code == 0, res.output
-    assert "estimates for a100-80gb" in res.stderr and "--device cpu --memory" in res.stderr
+    assert "estimates for a100-80gb" in res.stderr and "--gpu" in res.stderr
     out = json.loads(res.stdout)
-    assert out["estimated"] is True and out["max_micro"] >= out["safe_micro"] > 0
+    assert out["estimated"] is True and out["max_batch"] >= out["safe_batch"] > 0
     assert out["micro_batch"] * out["grad_accum"] * out["world_size"] == 64
 
 
@@ -156,7 +156,7 @@ def test_second_find_is_cached_and_no_cache_probes_again():
     args = ["find", "--model", "tiny-mlp", "--target", "100", "--device", "cpu", "--memory", "3MiB", "--json"]
     first, second = json.loads(invoke(*args).stdout), json.loads(invoke(*args).stdout)
     assert not first["cached"] and second["cached"]
-    assert second["max_micro"] == first["max_micro"] and second["trials"] == first["trials"]
+    assert second["max_batch"] == first["max_batch"] and second["trials"] == first["trials"]
     assert not json.loads(invoke(*args, "--no-cache").stdout)["cached"]
     assert "(cached)" in invoke(*args[:-1]).stdout
 

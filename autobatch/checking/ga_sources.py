@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
+from ..probing.oom import is_oom_error
 from .ga_batches import lm_token_loss, padded_lm_batch
 from .verify_ga import GAVerification, Mode, _validate, verify_ga
 
@@ -37,6 +38,21 @@ def verify_model_source(
     # Before building a batch of micro_batch * grad_accum * world_size samples from bad numbers.
     _validate(micro_batch, grad_accum, world_size, tolerance, mode, has_loss=True)
     global_batch = micro_batch * grad_accum * world_size
+    try:
+        return _verify_source(source, global_batch, micro_batch=micro_batch, grad_accum=grad_accum,
+                              world_size=world_size, mode=mode, tolerance=tolerance, seed=seed)
+    except (MemoryError, RuntimeError) as exc:
+        if not (isinstance(exc, MemoryError) or is_oom_error(exc)):
+            raise
+        raise AutobatchError(
+            f"the big batch of micro_batch × grad_accum × world_size = {global_batch} samples must fit in host memory "
+            "(verify-ga builds it on the CPU), but allocating it failed; use a smaller --micro-batch, --grad-accum "
+            "or --world-size: the check needs the same arithmetic, not the training batch"
+        ) from None
+
+
+def _verify_source(source: Any, global_batch: int, *, micro_batch: int, grad_accum: int, world_size: int,
+                   mode: Mode, tolerance: float, seed: int) -> GAVerification:
     task = getattr(source, "task", None)
     vocab, seq_len = getattr(source, "vocab_size", None), getattr(source, "seq_len", None)
     if task in ("causal-lm", "masked-lm") and vocab and seq_len:

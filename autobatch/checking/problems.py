@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..configs.files import ConfigFileError, read_config
 from ..errors import AutobatchError, ConfigError
 from ..planning.plan import Plan, require_positive_int
+from ..planning.divisors import MAX_INT
 from ..planning.solver import NoExactPlanError, exact_plans, solve
 
 if TYPE_CHECKING:
@@ -139,10 +140,10 @@ class _Collector:
         """``value`` as an int; ``None`` (and a problem) when it is not a positive integer."""
         if value is None:
             return None
+        where = f" in {source}" if source else ""
         try:
-            return require_positive_int(name, value)
+            number = require_positive_int(name, value)
         except AutobatchError:
-            where = f" in {source}" if source else ""
             self.add(
                 "invalid-value",
                 f"{name} must be a positive integer, but got {name}={value!r}{where}",
@@ -150,6 +151,11 @@ class _Collector:
                 **{name: value},
             )
             return None
+        if number >= MAX_INT:  # no batch is that big, and its divisors could take longer than anyone waits
+            self.add("invalid-value", f"{name} must be below 2**64, but got {name}={value!r}{where}",
+                     fix or f"set {name} to the number you train with", **{name: value})
+            return None
+        return number
 
     def load(self, config: str | os.PathLike[str] | Mapping[str, Any] | None, kind: str) -> tuple[str, dict[str, Any]] | None:
         """``(label, mapping)`` for a path or mapping; a problem (and ``None``) when unreadable."""
@@ -171,6 +177,8 @@ def _pairs_text(plans: list[Plan]) -> str:
 
 def _fix_for(target: int, gpus: int, nodes: int, mp: int, min_micro: int) -> str:
     """Concrete ways to reach ``target`` on this topology, or the nearest alternatives when none exist."""
+    if target >= MAX_INT:  # a product of valid numbers can still be past the bound
+        return "use numbers whose product is below 2**64"
     plans = exact_plans(target, gpus, nodes, min_micro=min_micro, model_parallel=mp)
     if plans:
         return (

@@ -33,6 +33,7 @@ from .views import (
     _Batch,
     _compare,
     _deepspeed_values,
+    _deepspeed_auto_view,
     _deepspeed_view,
     _fill_auto,
     _flags_view,
@@ -193,6 +194,8 @@ def check_setup(
                 micros.add(ds_batch.micro)
                 if None in flags.numbers():
                     resolved = ds_batch
+        elif flags_problem is None:  # the arguments' own problem already says what is wrong
+            _deepspeed_auto_view(c, ds_label, values, world, topo, min_micro)
     if acc_loaded is not None:
         section = acc_loaded[1].get("deepspeed_config") or {}
         accum = section.get("gradient_accumulation_steps")

@@ -137,6 +137,39 @@ def _fill_auto(c: _Collector, label: str, values: dict[str, int | str | None], f
     return complete
 
 
+def _deepspeed_auto_view(
+    c: _Collector, label: str, values: dict[str, int | str | None], world: int, topo: tuple[int, int, int],
+    min_micro: int,
+) -> None:
+    """Keys still "auto" are filled at launch: report when no whole numbers can fill them.
+
+    With ``train_batch_size`` fixed, whatever the launcher puts in the open keys, DeepSpeed's
+    identity needs it to be a multiple of world size × the terms the file fixes (224 on 3 GPUs
+    never is), and a micro batch left open must come out at ``min_micro`` or more.
+    """
+    target = values[TRAIN_BATCH_SIZE]
+    if not isinstance(target, int):
+        return  # an open or absent global batch is computed from the others: always met
+    micro, accum = values[MICRO_BATCH], values[GRAD_ACCUM]
+    terms = [f"{key} ({value})" for key, value in ((MICRO_BATCH, micro), (GRAD_ACCUM, accum)) if isinstance(value, int)]
+    step = world * (micro if isinstance(micro, int) else 1) * (accum if isinstance(accum, int) else 1)
+    if target % step == 0 and (isinstance(micro, int) or target // step >= min_micro):
+        return
+    open_keys = [key for key, value in values.items() if value == _AUTO]
+    rule = f"a multiple of {' × '.join(terms + [f'world_size ({world})'])} = {step}"
+    if target % step == 0:
+        rule = f"at least {min_micro} samples per GPU (BatchNorm), but {target} / {step} = {target // step}"
+    else:
+        rule += f", but {target} / {step} = {target / step:.4g}"
+    c.add(
+        "deepspeed-auto",
+        f"{label} leaves {' and '.join(open_keys)} \"auto\" for the launcher to fill, but no whole numbers can: "
+        f"{TRAIN_BATCH_SIZE}={target} must be {rule}",
+        _fix_for(target, *topo, min_micro),
+        train_batch_size=target, world_size=world, micro_batch=micro, grad_accum=accum,
+    )
+
+
 def _deepspeed_view(
     c: _Collector, label: str, values: dict[str, int | str | None], world: int, topo: tuple[int, int, int],
     min_micro: int, flags_problem: tuple[int | None, ...] | None,

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 from ..errors import AutobatchError
 
-__all__ = ["app", "cache_app", "command", "fail", "COMMAND_ORDER", "RENAMED"]
+__all__ = ["app", "cache_app", "command", "fail", "COMMAND_ORDER", "RENAMED", "outputs"]
 
 # The order a user needs them in: probe and plan, plan alone, check, then the rest.
 COMMAND_ORDER = ["find", "solve", "check", "estimate", "tune", "verify-ga", "gpus", "models", "cache"]
@@ -169,6 +169,12 @@ def _version(value: bool) -> None:
 
         typer.echo(f"autobatch {__version__}")
         raise typer.Exit()
+_outputs: dict[str, str] = {}  # files the running command has written, for the Ctrl-C message
+
+
+def outputs() -> dict[str, str]:
+    """The dict a command fills with ``{kind: path}`` as it writes files (see ``write_plan_configs``)."""
+    return _outputs
 
 
 @app.callback()
@@ -190,6 +196,7 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
         def wrapper(*a: Any, **kw: Any) -> Any:
             with warnings.catch_warnings():
                 warnings.showwarning = _one_line  # restored when the command ends
+                _outputs.clear()
                 try:
                     return fn(*a, **kw)
                 except AutobatchError as exc:
@@ -199,6 +206,12 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
                         _json_error(str(exc), 2)
                     typer.echo(f"Error: {exc}", err=True)
                     raise typer.Exit(2) from None
+                except KeyboardInterrupt:
+                    if _state["debug"]:
+                        raise
+                    done = ", ".join(f"{path} ({kind.replace('_', ' ')})" for kind, path in _outputs.items())
+                    typer.echo(f"interrupted; {'wrote ' + done if done else 'nothing was written'}", err=True)
+                    raise typer.Exit(130) from None  # 128 + SIGINT, as a shell reports it
 
         epilog = "Examples:\n\n" + "\n\n".join(f"  $ {line}" for line in examples) if examples else None
         return (on or app).command(name, cls=AutobatchCommand, epilog=epilog, **kwargs)(wrapper)

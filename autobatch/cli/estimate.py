@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ._app import command, fail
+from ._app import command, fail, outputs
 from .options import (
     AccelerateOut,
     AsJson,
@@ -75,11 +75,12 @@ def estimate_command(
     The JSON carries "estimated": true."""
     import json
 
-    from ..configs import write_plan_configs
+    from ..configs import check_plan_outputs, write_plan_configs
     from ..estimating.estimate import estimate, load_fake_model
     from ..estimating.gpus import resolve_gpu
     from ..estimating.overheads import Overheads
-    from ..planning.solver import solve
+    from ..pipeline import plan_summary
+    from ..planning.solver import check_request, solve
 
     if gpu is not None and gpu_memory is not None:
         fail(f"--gpu {gpu} and --gpu-memory {gpu_memory} both name the GPU to estimate for; pass one")
@@ -89,6 +90,8 @@ def estimate_command(
     spec = resolve_gpu(gpu, memory_bytes)  # an unknown name fails here, before any model is built
     if (deepspeed or accelerate or hf) and target is None:
         fail("--deepspeed, --accelerate and --hf write a plan, which needs --target (the global batch); add --target N")
+    check_request(target, gpus, nodes, min_micro=min_micro or 1, multiple_of=multiple_of, model_parallel=model_parallel)
+    check_plan_outputs(deepspeed=deepspeed, accelerate=accelerate, hf=hf)
     overheads = Overheads(fragmentation=fragmentation, workspace_bytes=workspace_bytes)
     source = load_fake_model(model, **model_load_options(seq_len, input_shape, num_classes, trust_remote_code))
     workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
@@ -96,17 +99,19 @@ def estimate_command(
                       data_parallel=gpus * nodes // max(1, model_parallel))
     plan = None
     written: dict[str, str] = {}
+    changes: list[str] = []
     if target is not None:
         plan = solve(target, gpus, nodes, result.safe_batch, min_micro=result.min_batch, multiple_of=multiple_of,
                      model_parallel=model_parallel)
-        written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf)
+        written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, written=outputs(),
+                                     changes=changes)
     if as_json:
-        # The same top-level keys as `find --json`, so scripts read either the same way.
-        data = {"max_micro": result.max_batch, "safe_micro": result.safe_batch,
-                **(plan.to_dict() if plan is not None else {}), **result.to_dict()}
+        # The same top-level keys as `find --json` (max_batch, safe_batch, the plan's numbers, plan),
+        # so scripts read either the same way.
+        data = {**(plan_summary(plan) if plan is not None else {}), **result.to_dict()}
         if plan is not None:
             data["plan"] = plan.to_dict()
-        typer.echo(json.dumps({**data, **written}, indent=2, ensure_ascii=False))
+        typer.echo(json.dumps({**data, **written, **({"changes": changes} if changes else {})}, indent=2, ensure_ascii=False))
         return
     typer.echo(f"note: these are estimates for {spec.name} from a fake-tensor trace (no GPU used); "
                "probe on the GPU itself for exact figures")
@@ -114,6 +119,8 @@ def estimate_command(
     if plan is not None:
         print_plan(plan, label="plan (estimated): ", deepspeed=deepspeed, accelerate=accelerate, script=script)
     print_written(written)
+    for line in changes:
+        typer.echo(f"updated {line}")
 
 
 @command("gpus", examples=["autobatch gpus", "autobatch estimate --model gpt2 --gpu-memory 40GiB"])

@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from ._app import command, fail
+from ._app import command, fail, outputs
 from .options import (
     AccelerateOut,
     AsJson,
@@ -113,9 +113,10 @@ def find_command(
 
     import torch
 
-    from ..configs import write_plan_configs
+    from ..configs import check_plan_outputs, write_plan_configs
     from ..models import load_model
     from ..pipeline import find_plan
+    from ..planning.solver import check_request
     from ..probing.probe import make_backend
 
     room = headroom_value(headroom)  # flags are checked before any model is built
@@ -130,8 +131,12 @@ def find_command(
         flag = "--gpu" if gpu is not None else "--gpu-memory"
         fail(f"{flag} names a GPU to estimate for, but find probes {where} with real steps; drop {flag}, "
              f"or run `autobatch estimate {flag} …` for an estimate")
+    check_plan_outputs(deepspeed=deepspeed, accelerate=accelerate, hf=hf)  # before any trial: a typo
     if not probe_here:
         # No GPU to probe: estimate for a named one (fake-tensor trace), saying so first.
+        if plot is not None:
+            fail("--plot draws the trials of a probe, and with no CUDA GPU here there is none (an estimate runs "
+                 "instead); drop --plot, or run find on the GPU machine")
         from ..estimating.gpus import resolve_gpu
         from .estimate import estimate_command
 
@@ -148,6 +153,10 @@ def find_command(
             hf=hf, script=script, as_json=as_json,
         )
         return
+    if plot is not None:
+        from ..tuning.plot import check_plot_path
+
+        check_plot_path(plot)
     from ..distributed.launch import (
         is_launched,
         is_main_process,
@@ -162,6 +171,14 @@ def find_command(
     options = dict(max_batch=max_micro, min_batch=min_micro, headroom=room)
     planning = dict(target=target, nodes=nodes, model_parallel=model_parallel, multiple_of=multiple_of)
     status_console = console(stderr=True)
+    if gpus is not None:
+        here = gpus
+    elif is_launched():
+        env = rank_env()
+        here = env.local_world_size
+    else:  # what the plan will take: the GPUs visible here, 1 on the CPU
+        here = max(1, local_gpu_count()) if memory is None and (device or "cuda").startswith("cuda") else 1
+    check_request(target, here, nodes, min_micro=min_micro or 1, multiple_of=multiple_of, model_parallel=model_parallel)
     if is_launched():
         # Under torchrun / accelerate launch: every rank probes its own device, in lockstep.
         from ..distributed.lockstep import probe_distributed
@@ -196,14 +213,16 @@ def find_command(
                                 min_micro=min_micro, headroom=room, on_trial=progress,
                                 use_cache=not no_cache, **planning)
     plan = finding.plan
-    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf)
+    changes: list[str] = []
+    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, written=outputs(),
+                                 changes=changes)
     if plot is not None:
         from ..tuning.plot import plot_probe
 
         plot_probe(finding.probe, plot, chosen=plan.micro_batch)
         written["plot"] = plot
     if as_json:
-        typer.echo(json.dumps({**finding.to_dict(), **written}, indent=2, ensure_ascii=False))
+        typer.echo(json.dumps({**finding.to_dict(), **written, **({"changes": changes} if changes else {})}, indent=2, ensure_ascii=False))
         return
     out = console()
     out.print(_device_line(finding.probe.device), highlight=False)
@@ -215,3 +234,5 @@ def find_command(
     for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script):
         out.print(line, highlight=False, markup=False)
     print_written(written)
+    for line in changes:
+        out.print(f"updated {line}", highlight=False, markup=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ._app import command
+from ._app import command, outputs
 from .options import (
     AccelerateOut,
     AsJson,
@@ -64,12 +64,17 @@ def solve_command(
         target, gpus, nodes, max_micro, min_micro=min_micro, multiple_of=multiple_of,
         model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch,
     )
-    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, keep_auto=keep_auto)
+    changes: list[str] = []
+    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, keep_auto=keep_auto,
+                                 written=outputs(), changes=changes)
     if as_json:
-        typer.echo(json.dumps({**plan.to_dict(), **written}, indent=2, ensure_ascii=False))
+        typer.echo(json.dumps({**plan.to_dict(), **written, **({"changes": changes} if changes else {})},
+                              indent=2, ensure_ascii=False))
         return
     print_plan(plan, deepspeed=deepspeed, accelerate=accelerate, script=script)
     print_written(written)
+    for line in changes:
+        typer.echo(f"updated {line}")
 
 
 @command("check", examples=[

@@ -76,6 +76,10 @@ def tune_command(
     room = headroom_value(headroom)
     if memory is not None:
         size_value(memory, "--memory")
+    if plot is not None:
+        from ..tuning.plot import check_plot_path
+
+        check_plot_path(plot)  # before the probes and timings, not after
     backend = make_backend(device or ("cpu" if memory is not None else None), memory)
     source = load_model(model, **model_load_options(seq_len, input_shape, num_classes, trust_remote_code))
     workload = source.to_workload(optimizer=optimizer, dtype=dtype)

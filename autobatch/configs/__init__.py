@@ -12,7 +12,7 @@ from .accelerate import (
     read_accelerate_config,
     write_accelerate_config,
 )
-from .bundle import write_plan_configs
+from .bundle import check_plan_outputs, write_plan_configs
 from .deepspeed import (
     BATCH_KEYS,
     DerivedBatch,
@@ -31,6 +31,7 @@ __all__ = [
     "DerivedBatch",
     "accelerate_command",
     "accelerate_config",
+    "check_plan_outputs",
     "deepspeed_config",
     "derive_batch_keys",
     "hf_flags",

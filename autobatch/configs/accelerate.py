@@ -15,6 +15,7 @@ no top-level key for it (its loader rejects unknown keys):
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ __all__ = [
     "REFUSED_WITH_DEEPSPEED_FILE",
     "accelerate_config",
     "accelerate_comment",
+    "describe_changes",
+    "merge_accelerate_config",
     "read_accelerate_config",
     "write_accelerate_config",
 ]
@@ -133,13 +136,83 @@ def read_accelerate_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return read_config(path)
 
 
+def merge_accelerate_config(
+    plan: Plan, existing: dict[str, Any], deepspeed_config_file: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
+    """``existing`` with only what the plan decides changed; every other key is kept.
+
+    The plan decides ``num_processes``, ``num_machines``, the distributed type where the plan
+    needs another (several processes, or DeepSpeed) and, with DeepSpeed, the file the YAML points
+    at. ``mixed_precision``, ``gpu_ids``, ``main_process_port`` and the rest stay as the user set
+    them, except what accelerate refuses next to ``deepspeed_config_file`` (it belongs in the JSON).
+
+    Example:
+        >>> from autobatch.planning.plan import Plan
+        >>> merged = merge_accelerate_config(Plan(7, 2, gpus_per_node=3), {"mixed_precision": "bf16", "num_processes": 8})
+        >>> merged["mixed_precision"], merged["num_processes"], merged["distributed_type"]
+        ('bf16', 3, 'MULTI_GPU')
+    """
+    config = copy.deepcopy(existing)
+    config["num_processes"] = plan.num_processes
+    config["num_machines"] = plan.nodes
+    kind = config.get("distributed_type")
+    if deepspeed_config_file is not None:
+        config["distributed_type"] = "DEEPSPEED"
+        section = config.get("deepspeed_config")
+        section = dict(section) if isinstance(section, dict) else {}
+        for key in REFUSED_WITH_DEEPSPEED_FILE:
+            section.pop(key, None)
+        section["deepspeed_config_file"] = os.fspath(deepspeed_config_file)
+        config["deepspeed_config"] = section
+        config.pop("mixed_precision", None)  # accelerate refuses it next to a DeepSpeed file
+    else:
+        if kind in (None, "NO") and plan.num_processes > 1:
+            config["distributed_type"] = "MULTI_GPU"
+        section = config.get("deepspeed_config")
+        if kind == "DEEPSPEED" and isinstance(section, dict) and "gradient_accumulation_steps" in section:
+            config["deepspeed_config"] = {**section, "gradient_accumulation_steps": plan.grad_accum}
+    if plan.nodes > 1:
+        config.setdefault("main_process_port", 29500)
+    return config
+
+
+def describe_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What a merge changed, key by key (one level into nested sections), for the user to read.
+
+    Example:
+        >>> describe_changes({"a": 1, "s": {"x": 1}}, {"a": 2, "s": {"x": 1, "y": 3}})
+        ['a 1 → 2', 's.y added (3)']
+    """
+    lines: list[str] = []
+
+    def walk(old: dict[str, Any], new: dict[str, Any], prefix: str) -> None:
+        for key in new:
+            name = f"{prefix}{key}"
+            if key not in old:
+                lines.append(f"{name} added ({new[key]!r})")
+            elif isinstance(old[key], dict) and isinstance(new[key], dict):
+                walk(old[key], new[key], f"{name}.")
+            elif old[key] != new[key]:
+                lines.append(f"{name} {old[key]!r} → {new[key]!r}")
+        lines.extend(f"{prefix}{key} removed" for key in old if key not in new)
+
+    walk(before, after, "")
+    return lines
+
+
 def write_accelerate_config(
     plan: Plan, path: str | os.PathLike[str], deepspeed_config_file: str | os.PathLike[str] | None = None, **kwargs: Any
 ) -> Path:
     """Write :func:`accelerate_config` to ``path`` with :func:`accelerate_comment` on top.
 
+    An existing file is merged instead (:func:`merge_accelerate_config`): only the keys the plan
+    decides change, the user's others are kept.
+
     Example:
         >>> write_accelerate_config(plan, "accelerate.yaml", "ds_config.json")  # doctest: +SKIP
     """
     config = accelerate_config(plan, deepspeed_config_file, **kwargs)
+    if os.path.exists(path):
+        asked = {key: config[key] for key in kwargs if key in config}  # what the caller set explicitly
+        config = {**merge_accelerate_config(plan, read_config(path), deepspeed_config_file), **asked}
     return write_config(path, config, comment=accelerate_comment(plan, deepspeed_config_file))

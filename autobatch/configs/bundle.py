@@ -3,19 +3,43 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .accelerate import write_accelerate_config
+from pathlib import Path
+
+from .accelerate import describe_changes, write_accelerate_config
 from .deepspeed import write_deepspeed_config
-from .files import write_config
+from .files import _JSON, _YAML, ConfigFileError, read_config, write_config
 from .hf import hf_training_args
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
 
-__all__ = ["write_plan_configs"]
+__all__ = ["check_plan_outputs", "write_plan_configs"]
 
 PathLike = str | os.PathLike[str]
+
+
+def check_plan_outputs(
+    *, deepspeed: PathLike | None = None, accelerate: PathLike | None = None, hf: PathLike | None = None
+) -> None:
+    """Raise now what :func:`write_plan_configs` would raise after a probe: a wrong suffix, a
+    directory, or an existing file that cannot be read (DeepSpeed and accelerate files are merged).
+    """
+    suffixes = {"deepspeed": _JSON, "accelerate": _YAML + _JSON, "hf": _JSON + _YAML}
+    for flag, given in (("deepspeed", deepspeed), ("accelerate", accelerate), ("hf", hf)):
+        if given is None:
+            continue
+        path = Path(given)
+        if path.suffix.lower() not in suffixes[flag]:
+            raise ConfigFileError(path, f"for --{flag} must end in {', '.join(suffixes[flag])}, but got {str(path)!r}",
+                                  "rename it")
+        if path.is_dir():
+            raise ConfigFileError(path, f"for --{flag} must be a file, but {str(path)!r} is a directory",
+                                  f"pass a file name inside it, e.g. {str(path / ('config' + suffixes[flag][0]))!r}")
+        if flag != "hf" and path.exists():
+            read_config(path)  # merged into later: it has to parse
 
 
 def write_plan_configs(
@@ -25,26 +49,45 @@ def write_plan_configs(
     accelerate: PathLike | None = None,
     hf: PathLike | None = None,
     keep_auto: bool = False,
+    written: dict[str, str] | None = None,
+    changes: list[str] | None = None,
 ) -> dict[str, str]:
     """Write the requested files from one plan; return ``{kind: path}`` of what was written.
 
     Args:
         plan: the plan every file agrees with.
         deepspeed: DeepSpeed JSON; an existing file keeps every key but the three batch keys.
-        accelerate: accelerate config YAML (pointing at ``deepspeed`` when both are given).
+        accelerate: accelerate config YAML (pointing at ``deepspeed`` when both are given); an
+            existing file keeps every key the plan does not decide.
         hf: HF ``TrainingArguments`` values, JSON or YAML by suffix (pointing at ``deepspeed`` too).
         keep_auto: leave ``"auto"`` batch values in an existing DeepSpeed file.
+        written: filled as each file is written (and returned), so that a caller interrupted
+            half-way knows what is already on disk.
+        changes: gets one line per existing file that was merged, saying what changed in it.
 
     Example:
         >>> write_plan_configs(plan, deepspeed="ds.json", accelerate="accelerate.yaml")  # doctest: +SKIP
         {'deepspeed_config': 'ds.json', 'accelerate_config': 'accelerate.yaml'}
     """
-    written: dict[str, str] = {}
+    written = {} if written is None else written
+    changes = [] if changes is None else changes
+
+    def merged(path: PathLike, write: Callable[[], object]) -> None:
+        before = read_config(path) if os.path.exists(path) else None
+        write()
+        if before is not None:
+            after = read_config(path)
+            what = describe_changes(before, after)
+            kept = len([k for k in before if k in after and before[k] == after[k]])
+            changes.append(f"{os.fspath(path)}: " + ("; ".join(what) if what else "nothing changed")
+                           + f"; kept {kept} other key{'s' if kept != 1 else ''} as they were")
+
     if deepspeed is not None:
-        write_deepspeed_config(plan, deepspeed, keep_auto=keep_auto, for_accelerate=accelerate is not None)
+        merged(deepspeed, lambda: write_deepspeed_config(plan, deepspeed, keep_auto=keep_auto,
+                                                         for_accelerate=accelerate is not None))
         written["deepspeed_config"] = str(deepspeed)
     if accelerate is not None:
-        write_accelerate_config(plan, accelerate, deepspeed)
+        merged(accelerate, lambda: write_accelerate_config(plan, accelerate, deepspeed))
         written["accelerate_config"] = str(accelerate)
     if hf is not None:
         write_config(hf, hf_training_args(plan, deepspeed))

@@ -51,12 +51,12 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _parse_json(text: str) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as error:
         # DeepSpeed also reads hjson (JSON with comments); accept it when that library is installed.
         try:
             import hjson
         except ImportError:
-            raise
+            raise error from None  # the JSON error is the one to show, not the missing library
         return hjson.loads(text, object_pairs_hook=_no_duplicates)
 
 
@@ -87,6 +87,10 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (ValueError, yaml.YAMLError) as exc:
         detail = " ".join(str(exc).split())  # parsers write several lines; the CLI shows one
         raise ConfigFileError(path, f"must be valid {kind}, but {str(path)!r} failed to parse: {detail}", f"fix the {kind} syntax") from None
+    except RecursionError:
+        raise ConfigFileError(
+            path, f"must be a config, but {str(path)!r} is nested too deeply to parse", f"check that it is the {kind} file you meant"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigFileError(
             path,

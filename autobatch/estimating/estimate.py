@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import AutobatchError, NoBatchFitsError
-from ..modelinfo import min_batch_for
+from ..modelinfo import min_batch_for, require_materialized
 from ..probing.backends import DeviceInfo, SimulatedBackend
 from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
 from ..probing.result import BatchResult
@@ -53,7 +53,8 @@ class Estimate(BatchResult):
     ``max_batch`` is the largest batch whose traced peak, with overheads, stays within
     ``capacity_bytes`` (the GPU's usable memory); ``safe_batch`` keeps ``headroom_bytes`` free
     too. Trials hold GPU-reserved figures (overheads applied); ``traced`` holds the raw tensor
-    bytes of each trial. ``estimated`` is always true: nothing ran on a GPU.
+    bytes of each trial, with the same ``fits`` verdict as ``trials``. ``estimated`` is always
+    true: nothing ran on a GPU.
     """
 
     gpu: GpuSpec
@@ -191,7 +192,8 @@ def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode
             built = model()
         if not isinstance(built, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(built).__name__}")
-        return built
+        return require_materialized(built)
+    require_materialized(model)
     if _mode_of(model) is fake_mode:
         return model
     memo: dict[int, Any] = {}
@@ -298,8 +300,8 @@ def estimate(
 
     def run(batch: int) -> Trial:
         raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
-        traced.append(raw)
         trial = _on_gpu(raw, overheads, capacity, buckets)
+        traced.append(replace(raw, fits=trial.fits))  # one verdict per batch: the GPU's
         if on_trial is not None:
             on_trial(trial)
         return trial

@@ -26,6 +26,7 @@ written); ``docs/estimate.md`` says how to calibrate them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,9 +62,12 @@ class Overheads:
     context_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fragmentation, (int, float)) or self.fragmentation < 1:
+        fragmentation = self.fragmentation
+        if isinstance(fragmentation, bool) or not isinstance(fragmentation, (int, float)) \
+                or not math.isfinite(fragmentation) or fragmentation < 1:
             raise AutobatchError(
-                f"fragmentation is reserved/allocated memory and must be ≥ 1, but got {self.fragmentation!r}; use e.g. 1.05"
+                f"fragmentation is reserved/allocated memory and must be ≥ 1 and finite, but got "
+                f"fragmentation={fragmentation!r}; use e.g. 1.05"
             )
         for name in ("workspace_bytes", "context_bytes"):
             value = getattr(self, name)

@@ -13,9 +13,10 @@ import numbers
 from collections.abc import Mapping
 
 from ..errors import AutobatchError
+from .divisors import MAX_INT, AllowedMicros, divisors
 from .plan import LRAdvice, Plan, require_positive_int
 
-__all__ = ["solve", "exact_plans", "NoExactPlanError"]
+__all__ = ["solve", "exact_plans", "check_request", "NoExactPlanError"]
 
 # How many alternative world sizes an error lists on each side of the current one.
 _WORLD_SIZES_EACH_SIDE = 3
@@ -50,38 +51,6 @@ class NoExactPlanError(AutobatchError):
         super().__init__(message)
 
 
-def _divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in ascending order, in O(sqrt n)."""
-    small, large = [], []
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            small.append(d)
-            if d != n // d:
-                large.append(n // d)
-    return small + large[::-1]
-
-
-class _Allowed:
-    """Which micro batches the constraints allow: min ≤ m ≤ max and m a multiple of ``multiple_of``."""
-
-    def __init__(self, min_micro: int, max_micro: int | None, multiple_of: int | None):
-        self.min_micro = min_micro
-        self.max_micro = max_micro
-        self.multiple_of = multiple_of or 1
-
-    def __call__(self, m: int) -> bool:
-        return m >= self.min_micro and (self.max_micro is None or m <= self.max_micro) and m % self.multiple_of == 0
-
-    def micros_dividing(self, per_rank: int) -> list[int]:
-        return [m for m in _divisors(per_rank) if self(m)]
-
-    def describe(self) -> str:
-        parts = [f"≥ {self.min_micro}" if self.min_micro > 1 else "", f"≤ {self.max_micro}" if self.max_micro else ""]
-        if self.multiple_of > 1:
-            parts.append(f"a multiple of {self.multiple_of}")
-        return ", ".join(p for p in parts if p) or "any size"
-
-
 def _validate(
     target: object,
     gpus_per_node: object,
@@ -92,6 +61,9 @@ def _validate(
     model_parallel: object,
 ) -> tuple[int, int, int, int | None, int, int | None, int]:
     target = require_positive_int("target", target, fix="pass the global batch size you want, e.g. 256")
+    if target >= MAX_INT:
+        # Divisors of a number past 2**64 could take longer than anyone waits; no batch is that big.
+        raise AutobatchError(f"target must be below 2**64, but got target={target}; pass the global batch you train with")
     gpus_per_node = require_positive_int("gpus_per_node", gpus_per_node, fix="pass the number of GPUs on each node")
     nodes = require_positive_int("nodes", nodes, fix="pass the number of nodes, 1 for a single machine")
     min_micro = require_positive_int("min_micro", min_micro, fix="use 1, or 2 for models with BatchNorm")
@@ -155,32 +127,53 @@ def _lr_advice(base_lr: object, base_batch: object, global_batch: int) -> LRAdvi
     return LRAdvice(base_lr=float(base_lr), base_batch=base_batch, global_batch=global_batch)
 
 
-def _nearest_achievable(target: int, world: int, allowed: _Allowed) -> tuple[int | None, int]:
+def _nearest_achievable(target: int, world: int, allowed: AllowedMicros) -> tuple[int | None, int]:
     """Largest achievable global batch below ``target`` and smallest above, on ``world`` ranks.
 
-    A global batch ``world × k`` is achievable when some allowed micro batch divides ``k``. Any
-    multiple of the smallest allowed micro is achievable, so each search ends within that many steps.
+    A global batch ``world × k`` is achievable when some allowed micro batch divides ``k``. Only
+    multiples of ``multiple_of`` can be, and any multiple of the smallest allowed micro is, so
+    each search visits at most ``smallest / multiple_of`` values of ``k`` (or, when the allowed
+    micro batches are few, takes the nearest multiple of each).
     """
+    step, smallest = allowed.multiple_of, allowed.smallest
+    low, high = (target - 1) // world, target // world + 1
+    few = allowed._few()
+    if few is not None:
+        below_k = max((low // m * m for m in few if low >= m), default=0)
+        above_k = min(-(-high // m) * m for m in few)
+        return (world * below_k if below_k else None), world * above_k
     below = None
-    for k in range((target - 1) // world, 0, -1):
-        if allowed.micros_dividing(k):
+    k = low // step * step
+    while k >= smallest:
+        if allowed.divides_some(k):
             below = world * k
             break
-    k = target // world + 1
-    while not allowed.micros_dividing(k):
-        k += 1
+        k -= step
+    k = max(-(-high // step) * step, smallest)
+    while not allowed.divides_some(k):
+        k += step
     return below, world * k
 
 
-def _working_world_sizes(target: int, world: int, allowed: _Allowed) -> tuple[int, ...]:
+def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tuple[int, ...]:
     """Data-parallel world sizes that reach ``target`` exactly, the nearest few on each side of ``world``."""
-    fits = [w for w in _divisors(target) if w != world and allowed.micros_dividing(target // w)]
-    lower = [w for w in fits if w < world][-_WORLD_SIZES_EACH_SIDE:]
-    upper = [w for w in fits if w > world][:_WORLD_SIZES_EACH_SIDE]
-    return tuple(lower + upper)
+    sizes = divisors(target)
+
+    def nearest(candidates: list[int]) -> list[int]:
+        found = []
+        for w in candidates:
+            if allowed.divides_some(target // w):
+                found.append(w)
+                if len(found) == _WORLD_SIZES_EACH_SIDE:
+                    break
+        return found
+
+    lower = nearest([w for w in reversed(sizes) if w < world])
+    upper = nearest([w for w in sizes if w > world])
+    return tuple(lower[::-1] + upper)
 
 
-def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: _Allowed) -> NoExactPlanError:
+def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: AllowedMicros) -> NoExactPlanError:
     world = gpus_per_node * nodes // model_parallel
     mp = f" ÷ {model_parallel} model-parallel" if model_parallel > 1 else ""
     ranks = f"world size {world} ({gpus_per_node} per node × {nodes} node{'s' if nodes != 1 else ''}{mp})"
@@ -214,6 +207,34 @@ def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, a
     return NoExactPlanError(message, target=target, world_size=world, below=below, above=above, world_sizes=sizes)
 
 
+def check_request(
+    target: int | None = None,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    *,
+    min_micro: int = 1,
+    multiple_of: int | None = None,
+    model_parallel: int = 1,
+) -> None:
+    """Raise now what :func:`solve` would raise after a probe, whatever micro batch the probe allows.
+
+    Bad values, a model-parallel degree that does not divide the GPUs, or a target that no
+    micro batch reaches on this world size are known before the first trial; a probe that ends
+    in one of these errors is minutes lost on a GPU.
+
+    Example:
+        >>> check_request(224, gpus_per_node=3)
+        Traceback (most recent call last):
+        ...
+        autobatch.planning.solver.NoExactPlanError: no exact plan: global batch 224 is not divisible ...
+    """
+    if target is None:
+        _validate(1, gpus_per_node, nodes, None, min_micro, multiple_of, model_parallel)
+    else:
+        solve(target, gpus_per_node, nodes, None, min_micro=min_micro, multiple_of=multiple_of,
+              model_parallel=model_parallel)
+
+
 def exact_plans(
     target: int,
     gpus_per_node: int = 1,
@@ -238,7 +259,7 @@ def exact_plans(
     world = gpus_per_node * nodes // model_parallel
     if target % world:
         return []
-    allowed = _Allowed(min_micro, max_micro, multiple_of)
+    allowed = AllowedMicros(min_micro, max_micro, multiple_of)
     per_rank = target // world
     return [
         Plan(
@@ -301,7 +322,7 @@ def solve(
     )
     times = _validate_step_times(step_times)
     lr_advice = _lr_advice(base_lr, base_batch, target)
-    allowed = _Allowed(min_micro, max_micro, multiple_of)
+    allowed = AllowedMicros(min_micro, max_micro, multiple_of)
     world = gpus_per_node * nodes // model_parallel
     micros = allowed.micros_dividing(target // world) if target % world == 0 else []
     if not micros:

@@ -9,7 +9,19 @@ import torch
 
 from ..errors import AutobatchError
 
-__all__ = ["borrowed_model"]
+__all__ = ["borrowed_model", "kept_rng"]
+
+
+@contextmanager
+def kept_rng() -> Iterator[None]:
+    """Run the body and give the global torch RNG back as it was (CPU, and CUDA once initialised).
+
+    For the calls around a probe that may draw random numbers: a model factory initialising its
+    weights, ``make_batch(1)`` for the fingerprint.
+    """
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
 
 
 @contextmanager

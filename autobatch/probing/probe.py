@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import AutobatchError, MinimumBatchError, NoBatchFitsError
-from ..modelinfo import min_batch_for
+from ..modelinfo import min_batch_for, require_materialized
 from ..units import format_bytes, parse_bytes
 from .backends import CudaBackend, MemoryBackend, SimulatedBackend
 from .oom import is_oom_error
-from .preserve import borrowed_model
+from .preserve import borrowed_model, kept_rng
 from .result import ProbeResult
 from .search import fit_line, predict_batch, search_max
 from .trial import Trial, run_trial
@@ -190,9 +190,11 @@ def probe(
     capacity = backend.capacity()
     headroom_bytes = resolve_headroom(headroom, capacity)
     owned = not isinstance(workload.model, torch.nn.Module)
-    model = workload.model() if owned else workload.model
+    with kept_rng():  # the factory's weight init must not move the caller's RNG
+        model = workload.model() if owned else workload.model
     if not isinstance(model, torch.nn.Module):
         raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
+    require_materialized(model)
     if min_batch is None:
         min_batch = min_batch_for(model)
     if max_batch is not None and max_batch < min_batch:

@@ -20,11 +20,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..errors import AutobatchError
 from ..probing.backends import DeviceInfo, MemoryBackend
 from ..probing.probe import DEFAULT_HEADROOM, make_backend, probe
 from ..probing.result import ProbeResult
 from ..probing.trial import Trial
 from ..probing.workload import Workload
+from .entry import entry_problem
 from .fingerprint import Fingerprint, fingerprint
 
 __all__ = [
@@ -167,6 +169,10 @@ def load(fp: Fingerprint, *, root: Path | None = None, capacity: int | None = No
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         _warn(path, f"malformed result: {type(exc).__name__}")
         return None
+    problem = entry_problem(result)
+    if problem is not None:  # a damaged or edited entry: never serve a plan from it
+        _warn(path, problem)
+        return None
     if capacity is not None:
         total = result.device.total_bytes or result.capacity_bytes
         if abs(result.capacity_bytes - capacity) > CAPACITY_TOLERANCE * total:
@@ -240,17 +246,20 @@ def list_entries(root: Path | None = None) -> list[CacheEntry]:
 def clear(root: Path | None = None) -> int:
     """Delete every cached probe and the tuning studies; return how many files were removed."""
     base = root if root is not None else cache_dir()
-    removed = 0
     folder = _probe_dir(root)
-    for path in list(folder.glob("*")) if folder.is_dir() else []:
-        if path.is_file() and (path.suffix == _SUFFIX or path.suffix == ".tmp"):
+    doomed = [p for p in (list(folder.glob("*")) if folder.is_dir() else [])
+              if p.is_file() and p.suffix in (_SUFFIX, ".tmp")]
+    doomed += [base / name for name in ("tune.db", "tune.db-journal", "tune.db-wal", "tune.db-shm") if (base / name).is_file()]
+    removed = 0
+    for path in doomed:
+        try:
             path.unlink(missing_ok=True)
-            removed += 1
-    for name in ("tune.db", "tune.db-journal", "tune.db-wal", "tune.db-shm"):
-        path = base / name
-        if path.is_file():
-            path.unlink(missing_ok=True)
-            removed += 1
+        except OSError as exc:  # a read-only cache: say which file and why, after what was removed
+            raise AutobatchError(
+                f"the cache must be writable to clear it, but removing {path} failed ({exc.strerror or exc}); "
+                f"removed {removed} of {len(doomed)} files; check the permissions of {base}"
+            ) from None
+        removed += 1
     return removed
 
 

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
+from ..modelinfo import require_materialized
 from ..probing.backends import DeviceInfo
+from ..probing.preserve import kept_rng
 from ..probing.workload import Workload
 
 __all__ = ["Fingerprint", "fingerprint", "model_signature", "batch_signature", "autobatch_version",
@@ -145,10 +147,12 @@ def fingerprint(
         raise AutobatchError(f"wrapper must be 'none' or 'ddp', but got {wrapper!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise AutobatchError(f"world_size must be a positive integer, but got world_size={world_size!r}")
-    model = _build_for_signature(workload.model)
+    with kept_rng():  # a factory's weight init and make_batch(1) draw random numbers: not the user's to lose
+        model = require_materialized(_build_for_signature(workload.model))
+        batch = workload.make_batch(1)
     fields: dict[str, Any] = {
         "model": model_signature(model),
-        "batch": batch_signature(workload.make_batch(1)),
+        "batch": batch_signature(batch),
         "loss_fn": _callable_name(workload.loss_fn),
         "optimizer": _callable_name(workload.optimizer),
         "dtype": _dtype_name(workload.dtype),

@@ -9,14 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MissingDependencyError
+from ..errors import AutobatchError, MissingDependencyError
 from ..units import format_bytes
 
 if TYPE_CHECKING:
     from ..probing.result import ProbeResult
     from .tune import TuneResult
 
-__all__ = ["plot_probe", "plot_tune"]
+__all__ = ["check_plot_path", "plot_probe", "plot_tune"]
 
 _GIB = 1024**3
 
@@ -70,12 +70,29 @@ def _memory_panel(ax: Any, result: ProbeResult, chosen: int | None, label: str =
     ax.set_xlim(left=0)
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def check_plot_path(path: str | Path) -> Path:
+    """``path`` as a PNG path that can be written, or a one-line error; also checks matplotlib is there.
+
+    Called before a probe, so that a typo does not cost the probe it would have drawn.
+    """
     path = Path(path)
-    if path.parent and not path.parent.exists():
+    if path.is_dir():
+        raise AutobatchError(f"--plot must name a PNG file, but {str(path)!r} is a directory; pass e.g. {str(path / 'probe.png')!r}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise AutobatchError(f"--plot must be inside a folder, but {str(parent)!r} is a file; pick another path")
+    _pyplot()
+    return path
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = check_plot_path(path)
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120, format="png")
+    except OSError as exc:
+        raise AutobatchError(f"--plot must be a writable path, but writing {str(path)!r} failed: {exc}; pick another path") from None
     return path
 
 

@@ -16,9 +16,10 @@ size multiplies samples, not time (communication is not measured on one device).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,8 +204,15 @@ def tune(
     optuna = _optuna()
     target = require_positive_int("target", target, fix="pass the global batch you want, e.g. 224")
     n_trials = require_positive_int("n_trials", n_trials, fix="run at least one trial, e.g. --trials 20")
+    timed_steps = require_positive_int("timed_steps", timed_steps, fix="time at least one step, e.g. --timed-steps 3")
     backend = backend if backend is not None else make_backend()
     folder = Path(root) if root is not None else cache_dir()
+    if storage is None:
+        storage = f"sqlite:///{(folder / 'tune.db').resolve()}"
+        with _storage_errors(storage):
+            folder.mkdir(parents=True, exist_ok=True)
+    with _storage_errors(storage):  # before any probe: a study that cannot be written costs nothing yet
+        study_storage = optuna.storages.get_storage(storage)
     candidates, probes = candidate_plans(
         workload, target, backend, gpus_per_node=gpus_per_node, nodes=nodes, checkpointing=checkpointing,
         headroom=headroom, max_batch=max_batch, min_micro=min_micro, multiple_of=multiple_of,
@@ -221,20 +229,20 @@ def tune(
                                "headroom": headroom, "max_batch": max_batch, "min_micro": min_micro, "multiple_of": multiple_of,
                                "timed_steps": timed_steps, "candidates": "|".join(labels)})
     study_name = f"autobatch-tune-{workload.name}-{fp.short}"
-    if storage is None:
-        folder.mkdir(parents=True, exist_ok=True)
-        storage = f"sqlite:///{(folder / 'tune.db').resolve()}"
     verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial is ours to print
+    # One line per trial is ours to print; optuna would also log each failed trial's traceback
+    # at WARNING, before the one-line error the CLI prints.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
-        study = optuna.create_study(
-            storage=storage, study_name=study_name, direction="maximize", load_if_exists=True,
-            sampler=optuna.samplers.TPESampler(seed=seed), pruner=SlowerThanBestPruner.create(prune_ratio),
-        )
-        study.set_user_attr("target", target)
-        seen = {t.params.get("plan") for t in study.get_trials(deepcopy=False)}
-        if baseline.label not in seen:
-            study.enqueue_trial({"plan": baseline.label})
+        with _storage_errors(storage):
+            study = optuna.create_study(
+                storage=study_storage, study_name=study_name, direction="maximize", load_if_exists=True,
+                sampler=optuna.samplers.TPESampler(seed=seed), pruner=SlowerThanBestPruner.create(prune_ratio),
+            )
+            study.set_user_attr("target", target)
+            seen = {t.params.get("plan") for t in study.get_trials(deepcopy=False)}
+            if baseline.label not in seen:
+                study.enqueue_trial({"plan": baseline.label})
         models: dict[str, torch.nn.Module] = {}
 
         def objective(trial: Any) -> float:
@@ -288,6 +296,21 @@ def tune(
     best = max(complete, key=lambda m: m.samples_per_second or 0.0)
     return TuneResult(best=best, baseline=base, measurements=tuple(measurements), candidates=tuple(candidates),
                       study_name=study_name, storage=storage, target=target, probes=probes)
+
+
+@contextlib.contextmanager
+def _storage_errors(storage: str) -> Iterator[None]:
+    """A study store that cannot be created or written (a read-only cache) as one line."""
+    try:
+        yield
+    except AutobatchError:
+        raise
+    except Exception as exc:  # OSError, or the database library's own error classes
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise AutobatchError(
+            f"tune keeps its study in {storage}, which must be writable, but it failed: {first}; "
+            "point AUTOBATCH_CACHE_DIR at a writable folder"
+        ) from None
 
 
 def list_studies(root: Path | str | None = None) -> list[dict[str, Any]]:

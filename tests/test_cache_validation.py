@@ -1,0 +1,80 @@
+"""Cache entries are checked before they are served: a damaged one warns once and the probe runs again."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from autobatch import SimulatedBackend, Workload
+from autobatch.tuning.cache import CacheWarning, cached_probe
+
+from .tiny import mlp
+
+
+def work() -> Workload:
+    return Workload(mlp(), lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))))
+
+
+def probe_twice(tmp_path, edit):
+    backend = SimulatedBackend("4MiB")
+    first, hit = cached_probe(work(), backend, headroom=0.05, root=tmp_path)
+    assert not hit
+    (path,) = (tmp_path / "probe").glob("*.json")
+    entry = json.loads(path.read_text())
+    edit(entry["result"])
+    path.write_text(json.dumps(entry))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again, hit = cached_probe(work(), backend, headroom=0.05, root=tmp_path)
+    cache_warnings = [w for w in caught if issubclass(w.category, CacheWarning)]
+    return first, again, hit, cache_warnings
+
+
+def same(a, b) -> bool:
+    """The same answer from the same trials (their timings differ between two probes)."""
+    return (a.max_batch, a.safe_batch, [(t.batch, t.fits) for t in a.trials]) == \
+        (b.max_batch, b.safe_batch, [(t.batch, t.fits) for t in b.trials])
+
+
+def _set(key, value):
+    def edit(result):
+        result[key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, why", [
+    (_set("safe_batch", 1), "safe_batch"),  # within range, but not what its trials and headroom give
+    (_set("safe_batch", 9999), "safe_batch"),
+    (_set("max_batch", 9999), "max_batch"),
+    (_set("safe_batch", "abc"), "safe_batch"),
+    (_set("max_batch", "abc"), "max_batch"),
+    (_set("safe_batch", -1), "safe_batch"),
+    (_set("capacity_bytes", "lots"), "capacity_bytes"),
+    (_set("limited_by", "luck"), "limited_by"),
+    (_set("trials", "none"), "malformed"),
+    (_set("trials", [{"batch": "x", "fits": True, "peak_bytes": 1, "reserved_bytes": 1}]), "trials"),
+    (_set("device", []), "malformed"),
+    (_set("safe_peak_measured", "yes"), "safe peak"),
+])
+def test_a_damaged_entry_warns_once_and_is_probed_again(tmp_path, edit, why):
+    first, again, hit, cache_warnings = probe_twice(tmp_path, edit)
+    assert not hit and same(again, first)
+    assert len(cache_warnings) == 1 and why in str(cache_warnings[0].message)
+
+
+def test_max_batch_must_agree_with_its_own_trials(tmp_path):
+    def shift(result):  # a max batch the trial log does not prove: max - 1 fitted, max + 1 ran out
+        result["max_batch"] -= 1
+        result["safe_batch"] = min(result["safe_batch"], result["max_batch"])
+
+    first, again, hit, cache_warnings = probe_twice(tmp_path, shift)
+    assert not hit and same(again, first)
+    assert len(cache_warnings) == 1 and "trials" in str(cache_warnings[0].message)
+
+
+def test_an_intact_entry_is_served(tmp_path):
+    first, again, hit, cache_warnings = probe_twice(tmp_path, lambda result: None)
+    assert hit and same(again, first) and not cache_warnings

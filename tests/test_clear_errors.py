@@ -1,0 +1,179 @@
+"""One clear line instead of a traceback, for inputs a new user tried (issue: every command, tried as a new user would)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from autobatch.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def one_line_error(result, code: int = 2) -> str:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+# --- broken JSON without hjson ---------------------------------------------------------------
+
+
+def test_broken_deepspeed_json_without_hjson_is_one_problem(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hjson", None)  # as if the deepspeed extra were not installed
+    path = tmp_path / "broken.json"
+    path.write_text('{"train_batch_size": 224,,}')
+    result = invoke("check", "--deepspeed", str(path), "--json")
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    assert [p["code"] for p in data["problems"]] == ["unreadable-file"]
+    assert "must be valid JSON" in data["problems"][0]["message"]
+    text = invoke("check", "--deepspeed", str(path))
+    assert text.exit_code == 1 and "hjson" not in text.output and "must be valid JSON" in text.stdout
+
+
+# --- deeply nested files -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".json", "[" * 100_000 + "]" * 100_000),
+    (".yaml", "[" * 100_000 + "]" * 100_000),
+], ids=["json", "yaml"])
+def test_deeply_nested_config_is_one_line(tmp_path, suffix, text):
+    path = tmp_path / f"deep{suffix}"
+    path.write_text(text)
+    option = "--deepspeed" if suffix == ".json" else "--accelerate"
+    result = invoke("check", option, str(path))
+    assert result.exit_code == 1 and "nested" in result.stdout and "Traceback" not in result.output
+    assert len(result.stdout.splitlines()) < 5
+
+
+# --- numbers that are not numbers ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_estimate_refuses_a_fragmentation_that_is_not_finite(value):
+    line = one_line_error(invoke("estimate", "--model", "tiny-mlp", "--fragmentation", value))
+    assert "fragmentation" in line and "finite" in line
+
+
+def test_num_classes_zero_is_one_line(tmp_path):
+    (tmp_path / "net.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(8, 4)\n")
+    line = one_line_error(invoke("find", "--model", f"{tmp_path / 'net.py'}:make", "--input-shape", "8",
+                                 "--num-classes", "0", "--device", "cpu", "--memory", "1MiB"))
+    assert "num_classes" in line and "0" in line
+
+
+def test_lazy_modules_are_one_line(tmp_path):
+    (tmp_path / "net.py").write_text(
+        "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.Linear(8, 4))\n")
+    line = one_line_error(invoke("find", "--model", f"{tmp_path / 'net.py'}:make", "--input-shape", "8",
+                                 "--device", "cpu", "--memory", "1MiB"))
+    assert "uninitialized" in line and "LazyLinear" in line
+
+
+def test_plot_into_a_directory_is_refused_before_probing(tmp_path):
+    line = one_line_error(invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB",
+                                 "--plot", str(tmp_path)))
+    assert "--plot" in line and "directory" in line
+
+
+def test_verify_ga_with_a_batch_larger_than_host_memory_is_one_line():
+    line = one_line_error(invoke("verify-ga", "--model", "tiny-mlp", "--micro-batch", "1000000000000",
+                                 "--grad-accum", "1000"))
+    assert "memory" in line and "--micro-batch" in line
+
+
+# --- a read-only cache ------------------------------------------------------------------------
+
+
+def test_cache_clear_on_a_read_only_cache_is_one_line(tmp_path, monkeypatch):
+    import pathlib
+
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "x.json").write_text("{}")
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refuse)
+    line = one_line_error(invoke("cache", "clear"))
+    assert "Permission denied" in line and str(tmp_path) in line
+
+
+def test_tune_on_a_cache_it_cannot_write_is_one_line_before_any_probe(tmp_path, monkeypatch):
+    pytest.importorskip("optuna", reason="needs the tune extra")
+    import importlib
+
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
+    (tmp_path / "tune.db").mkdir()  # the study file cannot be opened (as on a read-only cache)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("probed before the study store was checked")
+
+    monkeypatch.setattr(importlib.import_module("autobatch.probing.probe"), "run_trial", refuse)
+    line = one_line_error(invoke("tune", "--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "4MiB"))
+    assert "must be writable" in line and "AUTOBATCH_CACHE_DIR" in line
+
+
+def test_tune_prints_no_optuna_traceback_before_the_one_line_error(capfd, monkeypatch):
+    pytest.importorskip("optuna", reason="needs the tune extra")
+    import importlib
+
+    from autobatch.errors import AutobatchError
+
+    import optuna
+
+    levels = []
+
+    def broken(*args, **kwargs):
+        levels.append(optuna.logging.get_verbosity())  # what optuna logs when this trial fails
+        raise AutobatchError("timing refused on purpose")
+
+    monkeypatch.setattr(importlib.import_module("autobatch.tuning.tune"), "time_plan", broken)
+    result = invoke("tune", "--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "4MiB",
+                    "--trials", "1", "--checkpointing", "off", "--no-cache")
+    assert result.exit_code == 2 and "timing refused on purpose" in result.stderr
+    # optuna logs a failed trial's traceback at WARNING: it must be below the level in force
+    assert levels and all(level > optuna.logging.WARNING for level in levels)
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err + captured.out + result.output
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_during_the_probe_exits_130_saying_nothing_was_written(monkeypatch, tmp_path):
+    import importlib
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("autobatch.pipeline"), "find_plan", interrupted)
+    result = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB",
+                    "--deepspeed", str(tmp_path / "ds.json"))
+    assert one_line_error(result, 130) == "interrupted; nothing was written"
+    assert not (tmp_path / "ds.json").exists()
+
+
+def test_ctrl_c_between_two_files_says_what_was_written(monkeypatch, tmp_path):
+    import importlib
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("autobatch.configs.bundle"), "write_accelerate_config", interrupted)
+    ds = tmp_path / "ds.json"
+    result = invoke("solve", "--target", "8", "--deepspeed", str(ds), "--accelerate", str(tmp_path / "acc.yaml"))
+    assert one_line_error(result, 130) == f"interrupted; wrote {ds} (deepspeed config)"

@@ -71,7 +71,7 @@ def test_own_module_runs_under_every_command(own_model):
     assert res.exit_code in (0, 3), res.output  # BatchNorm: FLAGGED, never "pass --input-shape"
     res = invoke("estimate", "--model", own_model, *shape, "--gpu-memory", "1GiB", "--max-micro", "64", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["max_micro"] == 64
+    assert json.loads(res.stdout)["max_batch"] == 64
     res = invoke("tune", "--model", own_model, *shape, "--target", "4", "--trials", "1", "--device", "cpu",
                  "--memory", "1MiB", "--max-micro", "4", "--timed-steps", "1", "--no-grad-checkpointing", "--json")
     assert res.exit_code == 0, res.output

@@ -39,6 +39,7 @@ from .estimating.estimate import Estimate, estimate
 from .estimating.gpus import GPUS, GpuSpec, lookup_gpu
 from .estimating.overheads import Overheads
 from .estimating.prior import trace_prior
+from .lengths import LengthRow, LengthTable, probe_lengths
 from .models import load_model
 from .pipeline import Finding, find, find_plan
 from .planning.plan import LRAdvice, Plan
@@ -48,6 +49,7 @@ from .probing.memtrack import MemoryTracker
 from .probing.oom import is_oom_error
 from .probing.probe import make_backend, probe
 from .probing.result import BatchResult, ProbeResult
+from .probing.samples import LongestSample, longest_sample
 from .probing.search import SearchOutcome, search_max
 from .probing.trial import Trial, run_trial
 from .probing.workload import Workload, default_loss
@@ -83,6 +85,12 @@ __all__ = [
     "ProbeResult",
     "make_backend",
     "probe",
+    # memory that depends on the data: lengths, tokens, evaluation
+    "LengthRow",
+    "LengthTable",
+    "LongestSample",
+    "longest_sample",
+    "probe_lengths",
     # planning and checking
     "Plan",
     "LRAdvice",

@@ -14,14 +14,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import AutobatchError, MissingDependencyError
+from .probing.samples import takes_seq_len
 from .probing.workload import Workload, default_loss
 
 __all__ = ["ModelSource", "BUILTIN_MODELS", "load_model", "load_layers", "list_models", "count_parameters"]
@@ -40,12 +41,32 @@ class ModelSource:
     vocab_size: int | None = None
     input_shape: tuple[int, ...] | None = None
     workload: Workload | None = None  # when the user's function returned a whole Workload
+    make_batch_at: Callable[[int, int], Any] | None = None  # make_batch(b, seq_len), when lengths vary
+    max_positions: int | None = None
 
     def to_workload(self, **settings: Any) -> Workload:
         """A :class:`Workload` with these settings (optimizer, dtype, grad_checkpointing, …)."""
         if self.workload is not None:
             return Workload(**{**self.workload.__dict__, **settings})
         return Workload(self.model, self.make_batch, loss_fn=self.loss_fn, name=self.name, **settings)
+
+    def to_length_workload(self, seq_lens: Sequence[int], **settings: Any) -> Workload:
+        """A :class:`Workload` whose ``make_batch(b, seq_len)`` builds batches at each of ``seq_lens``.
+
+        Language models, and workloads whose own ``make_batch`` takes a length, qualify; every
+        length is checked against the model's positions before anything runs.
+        """
+        if self.make_batch_at is None:
+            raise AutobatchError(
+                f"{self.name} takes no sequence length ({self.task} model), so it cannot be probed at "
+                f"several --seq-len values; use a language model, or a workload whose make_batch(b, seq_len) takes one"
+            )
+        if self.max_positions is not None and max(seq_lens) > self.max_positions:
+            raise AutobatchError(
+                f"--seq-len must be at most the model's {self.max_positions} positions, but got {max(seq_lens)}; "
+                "drop the longer lengths"
+            )
+        return replace(self.to_workload(**settings), make_batch=self.make_batch_at)
 
 
 @dataclass(frozen=True)
@@ -134,8 +155,13 @@ def _lm_source(name: str, config: Any, family: str, seq_len: int | None, default
         fix = "; pass a shorter --seq-len" if seq >= 1 else ""
         raise AutobatchError(f"seq_len must be between 1 and the model's {limit} positions, but got seq_len={seq}{fix}")
     model, task = _hf_model(config, family, trust_remote_code)
-    return ModelSource(name, model, _lm_batches(config.vocab_size, seq, task), task=task, seq_len=seq,
-                       vocab_size=config.vocab_size)
+    vocab = config.vocab_size
+
+    def make_batch_at(b: int, seq_len: int) -> dict[str, torch.Tensor]:
+        return _lm_batches(vocab, seq_len, task)(b)
+
+    return ModelSource(name, model, _lm_batches(vocab, seq, task), task=task, seq_len=seq, vocab_size=vocab,
+                       make_batch_at=make_batch_at, max_positions=limit)
 
 
 def _classifier(name: str, model: torch.nn.Module, input_shape: tuple[int, ...], num_classes: int) -> ModelSource:
@@ -143,6 +169,15 @@ def _classifier(name: str, model: torch.nn.Module, input_shape: tuple[int, ...],
         return torch.randn(b, *input_shape), torch.randint(0, num_classes, (b,))
 
     return ModelSource(name, model, make_batch, task="classification", input_shape=input_shape)
+
+
+def _bind_length(spec: str, make_batch_at: Callable[[int, int], Any], seq_len: int | None) -> Callable[[int], Any]:
+    def make_batch(b: int) -> Any:
+        if seq_len is None:
+            raise AutobatchError(f"{spec}'s make_batch takes a sequence length (b, seq_len); pass --seq-len")
+        return make_batch_at(b, seq_len)
+
+    return make_batch
 
 
 def _tiny_mlp() -> torch.nn.Module:
@@ -270,6 +305,11 @@ def load_model(
                                  "pass the number of classes your model outputs (--num-classes)")
         model, workload = _user_model(spec)
         if workload is not None:
+            if takes_seq_len(workload.make_batch):  # make_batch(b, seq_len): bound to --seq-len for one length
+                at = workload.make_batch
+                bound = replace(workload, make_batch=_bind_length(spec, at, seq_len))
+                return ModelSource(spec, model, bound.make_batch, workload.loss_fn, task="custom", seq_len=seq_len,
+                                   workload=bound, make_batch_at=at)
             return ModelSource(spec, model, workload.make_batch, workload.loss_fn, task="custom", workload=workload)
         shape = _parse_shape(input_shape)
         if shape is None:

@@ -3,7 +3,8 @@
 In fenced ``bash`` blocks, each line is a command; a trailing ``# exit N`` is its expected exit
 code (default 0). ``pip install`` lines and the test command itself are what ``.ci/run`` runs,
 so they are not run again here. Commands run in one temporary directory per document (files a
-command writes are there for the next), with the repository's ``docs/`` reachable as written.
+command writes, and the probes it caches, are there for the next), with the repository's
+``docs/`` reachable as written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typer.testing import CliRunner
 from autobatch.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ["README.md", "docs/usage.md", "docs/field-reports.md"]
+DOCUMENTS = ["README.md", "docs/usage.md", "docs/field-reports.md", "docs/lengths.md"]
 _BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 _EXIT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
 
@@ -60,6 +61,8 @@ def workdirs(tmp_path_factory):
 @pytest.mark.parametrize("document, command, expected", CASES, ids=[f"{d}:{c[:60]}" for d, c, _ in CASES])
 def test_command_runs_as_documented(document, command, expected, workdirs, monkeypatch):
     monkeypatch.chdir(workdirs[document])
+    # One cache per document, as one user's: a command reads what the commands before it stored.
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(workdirs[document] / ".cache"))
     if command.startswith("autobatch "):
         # In-process through typer's runner: the same command, without a fresh interpreter per line
         # (tests/test_cli_*.py run the console entry point as a subprocess too).

@@ -16,7 +16,7 @@ the first), so one run tells the user everything to fix:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..configs.deepspeed import (
@@ -26,6 +26,7 @@ from ..configs.deepspeed import (
 
 if TYPE_CHECKING:
     import torch
+from .lengths import check_probed_length
 from .problems import _AUTO, CheckResult, _Collector, _fix_for
 from .views import (
     _accelerate_deepspeed,
@@ -54,6 +55,8 @@ def check_setup(
     accelerate: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     model: torch.nn.Module | None = None,
     batchnorm: bool | None = None,
+    seq_len: int | None = None,
+    probed: Sequence[Mapping[str, Any]] | None = None,
 ) -> CheckResult:
     """Find every batch-size problem in a proposed setup, before launch.
 
@@ -71,6 +74,9 @@ def check_setup(
         accelerate: accelerate config YAML path or mapping.
         model: The model; a BatchNorm layer requires at least 2 samples per GPU.
         batchnorm: Say the model has BatchNorm without passing it.
+        seq_len: The longest sequence the setup trains on; with ``probed`` (the model's cached
+            probes, ``[{"seq_len", "max_batch", "safe_batch", "device"}, …]``) a micro batch
+            never probed at this length, or above its probed max, is a problem.
 
     Returns:
         A :class:`CheckResult`; ``result.ok`` is False when any problem was found. Unreadable or
@@ -90,6 +96,7 @@ def check_setup(
     flag_gpus = c.positive_int("gpus_per_node", gpus_per_node)
     flag_nodes = c.positive_int("nodes", nodes)
     mp = c.positive_int("model_parallel", model_parallel)
+    check_probed_length(c, given.micro, seq_len, probed)
 
     bn = bool(batchnorm)
     if model is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from ._app import command, fail, outputs
+from .lengths import parse_seq_lens, run_length_table
 from .options import (
     AccelerateOut,
     AsJson,
@@ -23,10 +24,12 @@ from .options import (
     ModelSpec,
     MultipleOf,
     Nodes,
+    Evaluation,
     NumClasses,
     OptimizerName,
     Script,
-    SeqLen,
+    SeqLens,
+    TrainSeqLen,
     TrustRemoteCode,
     headroom_value,
     model_load_options,
@@ -51,7 +54,9 @@ def estimate_command(
     nodes: Nodes = 1,
     model_parallel: ModelParallel = 1,
     multiple_of: MultipleOf = None,
-    seq_len: SeqLen = None,
+    seq_len: SeqLens = None,
+    evaluation: Evaluation = False,
+    train_seq_len: TrainSeqLen = None,
     input_shape: InputShape = None,
     num_classes: NumClasses = 10,
     trust_remote_code: TrustRemoteCode = False,
@@ -93,7 +98,21 @@ def estimate_command(
     check_request(target, gpus, nodes, min_micro=min_micro or 1, multiple_of=multiple_of, model_parallel=model_parallel)
     check_plan_outputs(deepspeed=deepspeed, accelerate=accelerate, hf=hf)
     overheads = Overheads(fragmentation=fragmentation, workspace_bytes=workspace_bytes)
-    source = load_fake_model(model, **model_load_options(seq_len, input_shape, num_classes, trust_remote_code))
+    lengths = parse_seq_lens(seq_len)
+    if (lengths and len(lengths) > 1) or evaluation:
+        run_length_table(
+            model=model, lengths=lengths, evaluation=evaluation, train_seq_len=train_seq_len,
+            estimate_for={"gpu": spec, "overheads": overheads}, device=None, memory=None,
+            load=model_load_options(None, input_shape, num_classes, trust_remote_code),
+            settings=dict(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing),
+            options=dict(max_batch=max_micro, min_batch=min_micro, headroom=room),
+            planning=dict(target=target, gpus_per_node=gpus, nodes=nodes, model_parallel=model_parallel,
+                          multiple_of=multiple_of),
+            outputs=dict(deepspeed=deepspeed, accelerate=accelerate, hf=hf), as_json=as_json, use_cache=False,
+        )
+        return
+    source = load_fake_model(model, **model_load_options(lengths[0] if lengths else None, input_shape, num_classes,
+                                                         trust_remote_code))
     workload = source.to_workload(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
     result = estimate(workload, spec, overheads=overheads, headroom=room, max_batch=max_micro, min_batch=min_micro,
                       data_parallel=gpus * nodes // max(1, model_parallel))

@@ -7,6 +7,7 @@ from typing import Any
 import typer
 
 from ._app import command, fail, outputs
+from .lengths import parse_seq_lens, run_length_table
 from .options import (
     AccelerateOut,
     AsJson,
@@ -25,11 +26,13 @@ from .options import (
     ModelSpec,
     MultipleOf,
     Nodes,
+    Evaluation,
     NumClasses,
     OptimizerName,
     Script,
-    SeqLen,
+    SeqLens,
     SimulatedMemory,
+    TrainSeqLen,
     TrustRemoteCode,
     headroom_value,
     model_load_options,
@@ -77,7 +80,9 @@ def find_command(
                                     help="GPUs per node (not the total: world size = --gpus × --nodes)."),
     nodes: Nodes = 1,
     model_parallel: ModelParallel = 1,
-    seq_len: SeqLen = None,
+    seq_len: SeqLens = None,
+    evaluation: Evaluation = False,
+    train_seq_len: TrainSeqLen = None,
     input_shape: InputShape = None,
     num_classes: NumClasses = 10,
     trust_remote_code: TrustRemoteCode = False,
@@ -132,6 +137,11 @@ def find_command(
         fail(f"{flag} names a GPU to estimate for, but find probes {where} with real steps; drop {flag}, "
              f"or run `autobatch estimate {flag} …` for an estimate")
     check_plan_outputs(deepspeed=deepspeed, accelerate=accelerate, hf=hf)  # before any trial: a typo
+    lengths = parse_seq_lens(seq_len)
+    table_wanted = bool(lengths and len(lengths) > 1) or evaluation
+    if table_wanted and plot is not None:
+        fail("--plot draws one probe's memory curve; with several --seq-len values or --eval there is no single "
+             "curve to draw: drop --plot, or probe one length without --eval")
     if not probe_here:
         # No GPU to probe: estimate for a named one (fake-tensor trace), saying so first.
         if plot is not None:
@@ -146,7 +156,8 @@ def find_command(
                    "for real training steps on the CPU pass --device cpu --memory 8GiB", err=True)
         estimate_command(
             model=model, gpu=gpu, gpu_memory=gpu_memory, target=target, gpus=gpus or 1, nodes=nodes,
-            model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, input_shape=input_shape,
+            model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, evaluation=evaluation,
+            train_seq_len=train_seq_len, input_shape=input_shape,
             num_classes=num_classes, trust_remote_code=trust_remote_code, dtype=dtype,
             optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_micro=max_micro,
             min_micro=min_micro, fragmentation=1.05, workspace="64MiB", deepspeed=deepspeed, accelerate=accelerate,
@@ -166,6 +177,21 @@ def find_command(
     )
     from ..pipeline import Finding, local_gpu_count, plan_from_probe, probe_worker
 
+    if table_wanted:
+        if is_launched():
+            fail("several --seq-len values and --eval probe one device; run find without a launcher "
+                 "(or one length per launched run)")
+        run_length_table(
+            model=model, lengths=lengths, evaluation=evaluation, train_seq_len=train_seq_len, estimate_for=None,
+            device=device, memory=memory, load=model_load_options(None, input_shape, num_classes, trust_remote_code),
+            settings=dict(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing),
+            options=dict(max_batch=max_micro, min_batch=min_micro, headroom=room),
+            planning=dict(target=target, gpus_per_node=1 if gpus is None else gpus, nodes=nodes,
+                          model_parallel=model_parallel, multiple_of=multiple_of),
+            outputs=dict(deepspeed=deepspeed, accelerate=accelerate, hf=hf), as_json=as_json, use_cache=not no_cache,
+        )
+        return
+    seq_len = lengths[0] if lengths else None
     load = model_load_options(seq_len, input_shape, num_classes, trust_remote_code)
     settings = dict(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing)
     options = dict(max_batch=max_micro, min_batch=min_micro, headroom=room)

@@ -19,7 +19,8 @@ from ..errors import AutobatchError
 __all__ = [
     "AsJson", "AccelerateOut", "DeepSpeedOut", "DeviceName", "Dtype", "GpuMemory", "GpuName", "GpusPerNode",
     "GradCheckpointing", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel", "ModelSpec",
-    "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SimulatedMemory", "Target",
+    "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SeqLens", "Evaluation", "TrainSeqLen",
+    "SimulatedMemory", "Target",
     "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
 ]
 
@@ -35,6 +36,18 @@ ModelSpec = Annotated[str, typer.Option(
 SeqLen = Annotated[int | None, typer.Option(
     "--seq-len", min=1, rich_help_panel=_MODEL, show_default="the model's own, e.g. 1024 for gpt2",
     help="Tokens per sample, the longest you train on.",
+)]
+SeqLens = Annotated[str | None, typer.Option(
+    "--seq-len", rich_help_panel=_MODEL, show_default="the model's own, e.g. 1024 for gpt2",
+    help="Tokens per sample, the longest you train on; several (256,512,1024) give one row per length and max_tokens.",
+)]
+Evaluation = Annotated[bool, typer.Option(
+    "--eval", rich_help_panel=_MODEL,
+    help="Also find the largest evaluation batch (forward under torch.no_grad()) at the same shapes.",
+)]
+TrainSeqLen = Annotated[int | None, typer.Option(
+    "--train-seq-len", min=1, rich_help_panel=_MODEL,
+    help="With several --seq-len: the length the plan is for (default the longest).",
 )]
 InputShape = Annotated[str | None, typer.Option(
     "--input-shape", rich_help_panel=_MODEL,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ._app import command, outputs
+from ._app import command, fail, outputs
 from .options import (
     AccelerateOut,
     AsJson,
@@ -108,8 +108,9 @@ def check_command(
 ) -> None:
     """Report every batch-size problem in a setup before launch, each with its fix. Exit 1 if any.
 
-    --seq-len, --input-shape and --num-classes are accepted so the model flags of `find` can be
-    passed as they are; only the layers matter here, so no input is built."""
+    --input-shape and --num-classes are accepted so the model flags of `find` can be passed as they
+    are; only the layers matter here, so no input is built. --seq-len with --model says when the
+    micro batch was never probed at that length (from the probes `find` cached for the model)."""
     import json
 
     from ..checking.setup import check_setup
@@ -119,10 +120,17 @@ def check_command(
         from ..models import load_layers
 
         module = load_layers(model, trust_remote_code=trust_remote_code)
+    probed = None
+    if seq_len is not None:
+        if module is None:
+            fail("--seq-len on check compares with the cached probes of a model, which needs --model; add --model")
+        from ..tuning.probed import probed_lengths
+
+        probed = probed_lengths(module)
     result = check_setup(
         target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
         model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
-        model=module,
+        model=module, seq_len=seq_len, probed=probed,
     )
     typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:

@@ -51,6 +51,7 @@ def write_plan_configs(
     keep_auto: bool = False,
     written: dict[str, str] | None = None,
     changes: list[str] | None = None,
+    eval_batch: int | None = None,
 ) -> dict[str, str]:
     """Write the requested files from one plan; return ``{kind: path}`` of what was written.
 
@@ -64,6 +65,8 @@ def write_plan_configs(
         written: filled as each file is written (and returned), so that a caller interrupted
             half-way knows what is already on disk.
         changes: gets one line per existing file that was merged, saying what changed in it.
+        eval_batch: the probed evaluation batch, written to the HF arguments as
+            ``per_device_eval_batch_size``.
 
     Example:
         >>> write_plan_configs(plan, deepspeed="ds.json", accelerate="accelerate.yaml")  # doctest: +SKIP
@@ -90,6 +93,6 @@ def write_plan_configs(
         merged(accelerate, lambda: write_accelerate_config(plan, accelerate, deepspeed))
         written["accelerate_config"] = str(accelerate)
     if hf is not None:
-        write_config(hf, hf_training_args(plan, deepspeed))
+        write_config(hf, hf_training_args(plan, deepspeed, eval_batch=eval_batch))
         written["hf_args"] = str(hf)
     return written

@@ -15,12 +15,14 @@ if TYPE_CHECKING:
 __all__ = ["hf_training_args", "hf_flags"]
 
 
-def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None, *,
+                     eval_batch: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments``.
 
     Args:
         plan: The plan.
         deepspeed_config_file: Adds ``deepspeed=<path>`` so Trainer uses the same DeepSpeed JSON.
+        eval_batch: Adds ``per_device_eval_batch_size`` (the probed evaluation batch, ``--eval``).
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -31,6 +33,8 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
     }
+    if eval_batch is not None:
+        args["per_device_eval_batch_size"] = eval_batch
     if deepspeed_config_file is not None:
         args["deepspeed"] = os.fspath(deepspeed_config_file)
     return args

@@ -20,7 +20,7 @@ from .trial import Trial, run_trial
 from .workload import Workload
 
 __all__ = ["probe", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
-           "weights_error", "for_data_parallel"]
+           "weights_error", "for_data_parallel", "training_trial"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
@@ -152,6 +152,21 @@ def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: in
     return MemorySummary(safe, peak, measured, growing[1] if growing else None, growing[0] if growing else None)
 
 
+def training_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend, batch: int) -> Trial:
+    """:func:`~autobatch.probing.trial.run_trial`, with BatchNorm's error at a batch of one turned
+    into a :class:`~autobatch.errors.MinimumBatchError` that says what to pass instead."""
+    try:
+        return run_trial(workload, model, backend, batch)
+    except ValueError as exc:
+        if batch == 1 and _BATCHNORM_MESSAGE in str(exc):
+            raise MinimumBatchError(
+                "the model needs a per-device batch of at least 2 (BatchNorm cannot compute statistics "
+                "of one sample), but the probe started at 1; use min_batch=2 (CLI: --min-micro 2)",
+                min_batch=2,
+            ) from exc
+        raise
+
+
 def probe(
     workload: Workload,
     backend: MemoryBackend | None = None,
@@ -202,16 +217,7 @@ def probe(
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def run(batch: int) -> Trial:
-        try:
-            trial = run_trial(workload, lent, backend, batch)
-        except ValueError as exc:
-            if batch == 1 and _BATCHNORM_MESSAGE in str(exc):
-                raise MinimumBatchError(
-                    "the model needs a per-device batch of at least 2 (BatchNorm cannot compute statistics "
-                    "of one sample), but the probe started at 1; use min_batch=2 (CLI: --min-micro 2)",
-                    min_batch=2,
-                ) from exc
-            raise
+        trial = training_trial(workload, lent, backend, batch)
         if on_trial is not None:
             on_trial(trial)
         return trial

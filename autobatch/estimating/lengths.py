@@ -1,0 +1,95 @@
+"""Trials for the length table on fake tensors: the estimate's trace, at any sequence length.
+
+The table over lengths (:mod:`autobatch.lengths`) asks a runner for one trial at a batch and a
+length; this runner traces it on fake tensors for a named GPU, as :func:`~.estimate.estimate`
+does for one length, so ``find --seq-len 256,512,…`` works without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ..errors import AutobatchError
+from ..modelinfo import min_batch_for
+from ..probing.evaluation import run_eval_trial
+from ..probing.probe import MemorySummary
+from ..probing.search import SearchOutcome
+from ..probing.trial import Trial
+from ..probing.workload import Workload, resolve_dtype
+from ..units import format_bytes
+from .estimate import Estimate, _enable_checkpointing, _FakeBackend, _mode_of, _new_fake_mode, _on_gpu, fake_model, trace_trial
+from .gpus import GpuSpec, resolve_gpu
+from .overheads import Overheads
+
+__all__ = ["FakeLengthRunner"]
+
+
+class FakeLengthRunner:
+    """Training and evaluation trials at ``(batch, seq_len)`` traced on fake tensors for ``gpu``.
+
+    Args:
+        workload: its ``make_batch(b, seq_len)`` builds a batch at any length.
+        gpu, gpu_memory, overheads: as for :func:`~.estimate.estimate`.
+        min_batch: default 2 for models with BatchNorm, else 1.
+    """
+
+    estimated = True
+
+    def __init__(self, workload: Workload, gpu: str | GpuSpec | None = None, *, gpu_memory: int | str | None = None,
+                 overheads: Overheads | None = None, min_batch: int | None = None):
+        self.started = time.perf_counter()
+        self.spec = resolve_gpu(gpu, gpu_memory)
+        self.overheads = overheads if overheads is not None else Overheads()
+        context = self.spec.context_bytes if self.overheads.context_bytes is None else self.overheads.context_bytes
+        self.capacity = self.spec.total_bytes - context
+        if self.capacity <= 0:
+            raise AutobatchError(
+                f"the GPU's memory ({format_bytes(self.spec.total_bytes)}) must exceed its CUDA context "
+                f"({format_bytes(context)}); pass a larger --gpu-memory or a smaller context_bytes"
+            )
+        self.workload = workload
+        self.fake_mode = _mode_of(workload.model) or _new_fake_mode()
+        self.model = fake_model(workload.model, self.fake_mode)
+        if workload.grad_checkpointing:
+            with self.fake_mode:
+                _enable_checkpointing(self.model)
+        self.model.train()
+        self.min_batch = min_batch_for(self.model) if min_batch is None else min_batch
+        self.device_name = f"{self.spec.name} (estimated: fake-tensor trace, no GPU used)"
+        self.traced: dict[tuple[str, int], list[Trial]] = {}
+
+    def _at(self, seq_len: int) -> Workload:
+        make_batch = self.workload.make_batch
+        return replace(self.workload, make_batch=lambda b: make_batch(b, seq_len))
+
+    def _trace(self, mode: str, batch: int, seq_len: int, run: Callable[..., Trial]) -> Trial:
+        backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention)
+        raw = replace(run(self._at(seq_len), self.model, backend, batch), seconds_per_step=None)
+        self.traced.setdefault((mode, seq_len), []).append(raw)
+        return _on_gpu(raw, self.overheads, self.capacity)
+
+    def train(self, batch: int, seq_len: int) -> Trial:
+        return self._trace("train", batch, seq_len, lambda w, m, b, n: trace_trial(
+            w, m, n, fake_mode=self.fake_mode, fused_attention=self.overheads.fused_attention))
+
+    def evaluate(self, batch: int, seq_len: int) -> Trial:
+        return self._trace("eval", batch, seq_len, run_eval_trial)
+
+    def result(self, mode: str, seq_len: int, outcome: SearchOutcome, summary: MemorySummary, min_batch: int,
+               headroom_bytes: int) -> Estimate:
+        dtype = resolve_dtype(self.workload.dtype)
+        return Estimate(
+            max_batch=outcome.max_batch, safe_batch=summary.safe_batch, limited_by=outcome.limited_by,
+            min_batch=min_batch, gpu=self.spec, capacity_bytes=self.capacity, headroom_bytes=headroom_bytes,
+            bytes_per_sample=summary.bytes_per_sample, fixed_bytes=summary.fixed_bytes,
+            safe_peak_bytes=summary.safe_peak_bytes, overheads=self.overheads, trials=outcome.trials,
+            traced=tuple(self.traced.get((mode, seq_len), ())), seconds=time.perf_counter() - self.started,
+            workload=self.workload.name,
+            dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
+        )
+
+    def close(self) -> Any:
+        return None

@@ -1,0 +1,92 @@
+"""``find``/``estimate`` with several ``--seq-len`` values, ``--eval``, and ``check --seq-len`` (issue 17)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from autobatch.cli import app
+
+MODEL = "docs/examples/causal_lm.py:workload"
+DEVICE = ["--device", "cpu", "--memory", "2MiB"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def table_json(tmp_path_factory):
+    hf = tmp_path_factory.mktemp("hf") / "args.json"
+    result = run("find", "--model", MODEL, "--seq-len", "64,128", *DEVICE, "--eval", "--hf", str(hf), "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), json.loads(hf.read_text())
+
+
+def test_several_lengths_give_one_row_each_and_the_token_budget_in_json(table_json):
+    data, _ = table_json
+    rows = data["lengths"]
+    assert [r["seq_len"] for r in rows] == [64, 128]
+    for row in rows:
+        assert set(row) >= {"seq_len", "max_batch", "safe_batch", "trials"}
+        tried = {t["batch"]: t["fits"] for t in row["trials"]}
+        assert tried[row["max_batch"]] and tried[row["max_batch"] + 1] is False
+    assert data["max_tokens"] // 128 <= rows[1]["safe_batch"] and data["max_tokens"] // 64 <= rows[0]["safe_batch"]
+    assert data["plan"]["micro_batch"] == rows[1]["safe_batch"]  # the longest, with no target
+
+
+def test_eval_column_and_per_device_eval_batch_size_in_the_hf_arguments(table_json):
+    data, written = table_json
+    rows = data["lengths"]
+    for row in rows:
+        assert row["eval_max_batch"] >= row["max_batch"]
+        tried = {t["batch"]: t["fits"] for t in row["eval_trials"]}
+        assert tried[row["eval_max_batch"]] and tried[row["eval_max_batch"] + 1] is False
+    assert written["per_device_eval_batch_size"] == rows[1]["eval_safe_batch"]
+    assert written["per_device_train_batch_size"] == rows[1]["safe_batch"]
+
+
+def test_one_length_keeps_the_json_it_always_had_and_eval_adds_to_it():
+    result = run("find", "--model", MODEL, "--seq-len", "128", *DEVICE, "--eval", "--json")
+    data = json.loads(result.stdout)
+    assert "lengths" not in data and "max_tokens" not in data
+    assert {"max_micro", "safe_micro", "probe", "trials", "micro_batch"} <= set(data)
+    assert data["eval_max_batch"] >= data["probe"]["max_batch"] and "eval_trials" in data
+
+
+def test_estimate_takes_the_same_lengths_without_a_gpu():
+    result = run("estimate", "--model", MODEL, "--seq-len", "64,128", "--gpu-memory", "1GiB", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["estimated"] is True and [r["seq_len"] for r in data["lengths"]] == [64, 128]
+    assert data["lengths"][0]["max_batch"] > data["lengths"][1]["max_batch"]
+
+
+def test_check_says_the_micro_batch_was_never_probed_at_a_longer_length():
+    found = run("find", "--model", MODEL, "--seq-len", "64,128", *DEVICE, "--train-seq-len", "64", "--target", "32")
+    assert found.exit_code == 0, found.output
+    out = found.stdout
+    assert "batch per sequence length" in out and "trials: 6 in all" in out and "plan at seq_len 64:" in out
+    assert "min over lengths of (safe batch + 1) × seq_len − 1" in out
+    never = run("check", "--model", MODEL, "--micro-batch", "4", "--seq-len", "512")
+    assert never.exit_code == 1
+    assert "[unprobed-length] micro batch 4 was never probed at seq_len 512" in never.stdout
+    over = run("check", "--model", MODEL, "--micro-batch", "64", "--seq-len", "128", "--json")
+    assert over.exit_code == 1 and [p["code"] for p in json.loads(over.stdout)["problems"]] == ["over-probed-max"]
+    shorter = run("check", "--model", MODEL, "--micro-batch", "4", "--seq-len", "96")
+    assert shorter.exit_code == 0 and "longer lengths were" in shorter.stdout
+    alone = run("check", "--micro-batch", "4", "--seq-len", "96")
+    assert alone.exit_code == 2 and "needs --model" in alone.stderr
+
+
+def test_bad_lengths_are_one_line_before_any_trial():
+    for model, args, message in (
+        (MODEL, ["--seq-len", "64,abc"], "--seq-len must be one positive integer or several separated by commas"),
+        (MODEL, ["--seq-len", "64,128", "--train-seq-len", "96"], "--train-seq-len must be one of the --seq-len values"),
+        ("tiny-mlp", ["--seq-len", "64,128"], "cannot be probed at several --seq-len values"),
+    ):
+        result = run("find", "--model", model, *args, *DEVICE)
+        assert result.exit_code == 2 and message in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1

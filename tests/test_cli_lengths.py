@@ -90,3 +90,19 @@ def test_bad_lengths_are_one_line_before_any_trial():
         result = run("find", "--model", model, *args, *DEVICE)
         assert result.exit_code == 2 and message in result.stderr, result.output
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_planning_flags_and_plot_are_refused_before_any_trial(monkeypatch):
+    import autobatch.lengths.probe as lengths_probe
+
+    def no_trials(*_args, **_kwargs):
+        raise AssertionError("a trial ran before the flags were checked")
+
+    monkeypatch.setattr(lengths_probe, "search_lengths", no_trials)
+    for args, message in (
+        (["--target", "0"], "--target must be a positive integer"),
+        (["--gpus", "0"], "--gpus must be a positive integer"),
+        (["--plot", "memory.png"], "--plot draws one probe's memory curve"),
+    ):
+        result = run("find", "--model", MODEL, "--seq-len", "64,128", *DEVICE, *args)
+        assert result.exit_code == 2 and message in result.stderr, result.output

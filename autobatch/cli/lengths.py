@@ -16,6 +16,8 @@ from ..errors import AutobatchError
 
 __all__ = ["parse_seq_lens", "run_length_table"]
 
+_FLAGS = {"gpus_per_node": "--gpus"}
+
 
 def parse_seq_lens(text: str | None) -> list[int] | None:
     """``"256,512,1024"`` → ``[256, 512, 1024]``; ``None`` stays ``None``."""
@@ -47,7 +49,11 @@ def run_length_table(
     from ..configs import hf_flags, write_plan_configs
     from ..lengths import probe_lengths
     from ..pipeline import Finding
+    from ..planning.plan import require_positive_int
 
+    for name, value in planning.items():  # before the first trial: a typo must not cost the whole table
+        if value is not None:
+            require_positive_int(_FLAGS.get(name, f"--{name.replace('_', '-')}"), value)
     load = {**load, "seq_len": max(lengths) if lengths else None}  # the longest is checked against the model
     if train_seq_len is not None and train_seq_len not in (lengths or []):
         raise AutobatchError(f"--train-seq-len must be one of the --seq-len values ({', '.join(map(str, lengths))}), "

@@ -59,9 +59,10 @@ def test_later_lengths_are_guided_and_the_table_costs_fewer_trials_than_separate
     rows = {row.seq_len: row for row in table.rows}
     assert [rows[s].max_batch for s in LENGTHS] == [result.max_batch for result in separate]
     assert table.trials < sum(len(result.trials) for result in separate), (table.trials, separate)
-    # Longest first: the shorter lengths start from the fit's prediction and close in 2 or 3 trials.
-    assert rows[256].predicted is None
-    assert [len(rows[s].train.trials) for s in (128, 64, 32)] == [3, 2, 2]
+    # Longest first. 128 starts from a fit of one length (no quadratic term yet, so its guess is
+    # low and it re-aims once); from then on the fit holds and each length is predicted exactly.
+    assert rows[256].predicted is None and len(rows[128].train.trials) <= 4
+    assert [(rows[s].predicted, len(rows[s].train.trials)) for s in (64, 32)] == [(54, 2), (163, 2)]
     assert f"trials: {table.trials} in all" in str(table)
 
 

@@ -49,10 +49,11 @@ def test_eval_column_and_per_device_eval_batch_size_in_the_hf_arguments(table_js
 
 
 def test_one_length_keeps_the_json_it_always_had_and_eval_adds_to_it():
-    result = run("find", "--model", MODEL, "--seq-len", "128", *DEVICE, "--eval", "--json")
-    data = json.loads(result.stdout)
-    assert "lengths" not in data and "max_tokens" not in data
-    assert {"max_micro", "safe_micro", "probe", "trials", "micro_batch"} <= set(data)
+    plain = json.loads(run("find", "--model", MODEL, "--seq-len", "128", *DEVICE, "--json").stdout)
+    data = json.loads(run("find", "--model", MODEL, "--seq-len", "128", *DEVICE, "--eval", "--json").stdout)
+    assert "lengths" not in plain and "max_tokens" not in plain and "lengths" not in data
+    assert set(plain) - {"cached"} <= set(data)
+    assert data["probe"]["max_batch"] == plain["probe"]["max_batch"] and data["micro_batch"] == plain["micro_batch"]
     assert data["eval_max_batch"] >= data["probe"]["max_batch"] and "eval_trials" in data
 
 

@@ -48,7 +48,7 @@ def run_length_table(
     """
     from ..configs import hf_flags, write_plan_configs
     from ..lengths import probe_lengths
-    from ..pipeline import Finding
+    from ..pipeline import Finding, plan_summary
     from ..planning.plan import require_positive_int
 
     for name, value in planning.items():  # before the first trial: a typo must not cost the whole table
@@ -90,8 +90,8 @@ def run_length_table(
     if as_json:
         data: dict[str, Any]
         if len(table.rows) == 1:  # one length: the keys `find --json` always had, and the evaluation batch
-            data = {**Finding(row.train, plan).to_dict(), "estimated": table.estimated} if not table.estimated else {
-                "max_micro": row.max_batch, "safe_micro": row.safe_batch, **plan.to_dict(), **row.train.to_dict()}
+            data = (Finding(row.train, plan).to_dict() if not table.estimated
+                    else {**plan_summary(plan), **row.train.to_dict(), "plan": plan.to_dict()})
             if row.eval is not None:
                 data.update(eval_max_batch=row.eval.max_batch, eval_safe_batch=row.eval.safe_batch,
                             eval_trials=[t.to_dict() for t in row.eval.trials])

@@ -1,0 +1,70 @@
+"""What the integrations share: the lazy import of a framework, the probe on one rank or all, the plan."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+import torch.distributed as dist
+
+from ..errors import MissingDependencyError
+from ..lockstep import probe_distributed
+from ..plan import Plan
+from ..probe import DEFAULT_HEADROOM, ProbeResult, probe
+from ..solver import solve
+from ..backends import MemoryBackend
+from ..workload import Workload
+
+__all__ = ["require", "world", "probe_here", "plan_for", "log_main"]
+
+log = logging.getLogger("autobatch.integrations")
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """Import ``module`` or raise one line saying which extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise MissingDependencyError(
+            f"{feature} needs {package}, which is not installed; pip install 'autobatch[{extra}]'"
+        ) from None
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the initialized process group, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def probe_here(
+    workload: Workload,
+    backend: MemoryBackend | None = None,
+    *,
+    max_batch: int | None = None,
+    min_batch: int | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+) -> ProbeResult:
+    """Probe on this device, or on every rank in lockstep (under DDP) when a group of several ranks exists.
+
+    Every rank gets the same answer: the lockstep probe agrees after each trial.
+    """
+    if world()[1] > 1:
+        return probe_distributed(
+            workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom, wrap="ddp"
+        ).to_probe_result()
+    return probe(workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom)
+
+
+def plan_for(result: ProbeResult, target: int, world_size: int, *, use: str = "safe") -> Plan:
+    """The exact plan for ``target`` on ``world_size`` data-parallel ranks, micro batch within the probe."""
+    largest = result.safe_batch if use == "safe" else result.max_batch
+    return solve(target, gpus_per_node=world_size, max_micro=max(largest, result.min_batch), min_micro=result.min_batch)
+
+
+def log_main(logger: logging.Logger, message: str, *args: object) -> None:
+    """Log on rank 0 only (every rank holds the same plan)."""
+    if world()[0] == 0:
+        logger.info(message, *args)

@@ -7,6 +7,7 @@ tensors pass it); the reference loop runs the same data on a budget that fits ev
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -105,6 +106,8 @@ def _ddp_worker(budgets: tuple[str, str]) -> tuple[list[tuple[int, int, int]], d
     return histories[0], {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.skipif(not os.environ.get("AUTOBATCH_DDP_TESTS"), reason="two-process gloo DDP run (~20 s alone, "
+                    "a minute on a shared CPU); set AUTOBATCH_DDP_TESTS=1 to include it")
 def test_every_rank_splits_the_same_step_and_ddp_trains_like_one_big_batch() -> None:
     from autobatch.distributed import spawn_local
 

@@ -4,6 +4,7 @@ with the planned batch size and accumulation. CPU, a simulated memory budget for
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ import torch
 pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra: pip install 'autobatch[lightning]'")
 
 from autobatch.errors import AutobatchError  # noqa: E402
+
+# Two processes that each import torch and Lightning: ~20 s alone, over a minute on a shared CPU.
+DDP_REASON = "two-process gloo DDP run; set AUTOBATCH_DDP_TESTS=1 to include it"
 from autobatch.integrations.lightning import AutoBatch  # noqa: E402
 
 
@@ -98,3 +102,33 @@ def test_refuses_what_it_cannot_set() -> None:
         trainer.fit(NoBatchSize())
     with pytest.raises(AutobatchError, match="target must be a positive integer"):
         AutoBatch(target=0)
+
+
+def _ddp_fit(budgets: tuple[str, str]) -> list:
+    """One rank of two under Lightning's ddp strategy (inside spawn_local's gloo group); a smaller budget on rank 1."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, data = Net(), Data(batch_size=4)
+    callback = AutoBatch(target=256, memory=budgets[rank], headroom=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])
+    trainer.fit(model, datamodule=data)
+    mine = (callback.result.max_batch, [t.batch for t in callback.result.trials], callback.plan.micro_batch,
+            callback.plan.grad_accum, model.seen, trainer.global_step)
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.skipif(not os.environ.get("AUTOBATCH_DDP_TESTS"), reason=DDP_REASON)
+def test_ddp_ranks_agree_on_the_smaller_device() -> None:
+    from autobatch.distributed import spawn_local
+
+    ranks = spawn_local(_ddp_fit, (("1MiB", "240KiB"),), nprocs=2, backend="gloo", timeout_s=60)
+    assert ranks[0] == ranks[1]
+    max_batch, trials, micro, accumulation, seen, steps = ranks[0]
+    # rank 1's 240 KiB (plus DDP's gradient buckets) limits both; 32 per rank × 4 × 2 ranks = 256
+    assert (max_batch, trials) == (58, [1, 5, 52, 58, 59])
+    assert (micro, accumulation, steps) == (32, 4, 2) and seen == [32] * 8

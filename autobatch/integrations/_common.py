@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import importlib
 import logging
+import itertools
+from collections.abc import Callable, Mapping
 from types import ModuleType
+from typing import Any
+
+import torch
 
 import torch.distributed as dist
 
-from ..errors import MissingDependencyError
+from ..errors import AutobatchError, MissingDependencyError
 from ..lockstep import probe_distributed
 from ..plan import Plan
 from ..probe import DEFAULT_HEADROOM, ProbeResult, probe
@@ -16,7 +21,9 @@ from ..solver import solve
 from ..backends import MemoryBackend
 from ..workload import Workload
 
-__all__ = ["require", "world", "probe_here", "plan_for", "log_main"]
+__all__ = ["require", "world", "probe_here", "plan_for", "log_main", "batches_from_dataset", "POOL"]
+
+POOL = 256  # samples collated once for probe batches; larger batches repeat them
 
 log = logging.getLogger("autobatch.integrations")
 
@@ -68,3 +75,32 @@ def log_main(logger: logging.Logger, message: str, *args: object) -> None:
     """Log on rank 0 only (every rank holds the same plan)."""
     if world()[0] == 0:
         logger.info(message, *args)
+
+
+def batches_from_dataset(dataset: Any, collate: Callable[[list[Any]], Any], pool: int = POOL) -> Callable[[int], Any]:
+    """``make_batch(b)``: ``b`` samples of ``dataset`` (its first ones, repeated), collated by ``collate``.
+
+    The first ``pool`` samples are collated once, now; a probe batch then gathers its rows from
+    them, so each batch is new memory of its own size (rows of a dataset tensor are views of the
+    whole tensor, which a simulated device would count in full).
+    """
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        samples = [dataset[i] for i in range(min(pool, len(dataset)))]
+    else:
+        samples = list(itertools.islice(iter(dataset), pool))
+    if not samples:
+        raise AutobatchError("the training dataset is empty: no batch to probe with")
+    collated, n = collate(samples), len(samples)
+
+    def take(value: Any, index: torch.Tensor) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
+            return value.index_select(0, index)
+        if isinstance(value, Mapping):
+            taken = {k: take(v, index) for k, v in value.items()}
+            return taken if type(value) is dict else type(value)(taken)
+        if isinstance(value, (list, tuple)):
+            items = [take(v, index) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return value
+
+    return lambda b: take(collated, torch.arange(b) % n)

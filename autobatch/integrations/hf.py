@@ -34,7 +34,7 @@ from ..probe import DEFAULT_HEADROOM, ProbeResult, make_backend
 from ..search import search_max
 from ..trial import Trial, to_device
 from ..workload import Workload, default_loss, resolve_dtype
-from ._common import log_main, plan_for, probe_here, require
+from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
 
 _transformers = require("transformers", "hf", "autobatch.integrations.hf")
 
@@ -49,9 +49,8 @@ def _make_batch(sample: Any, data_collator: Callable[[list[Any]], Any] | None, t
     collate = data_collator or _transformers.default_data_collator
     if sample is not None:
         return lambda b: collate([sample] * b)
-    if train_dataset is not None and hasattr(train_dataset, "__getitem__"):
-        n = len(train_dataset)
-        return lambda b: collate([train_dataset[i % n] for i in range(b)])
+    if train_dataset is not None:
+        return batches_from_dataset(train_dataset, collate)
     raise AutobatchError(
         "fit_training_args needs a sample (one training example at the longest length you train on), a "
         "train_dataset, or make_batch=… to build probe batches"

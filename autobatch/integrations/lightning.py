@@ -20,7 +20,6 @@ Weights, buffers, gradients and the RNG come back bit for bit (:func:`autobatch.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ from ..errors import AutobatchError
 from ..plan import Plan, require_positive_int
 from ..probe import DEFAULT_HEADROOM, ProbeResult, make_backend
 from ..workload import Workload
-from ._common import log_main, plan_for, probe_here, require
+from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
 
 _pl = require("lightning.pytorch", "lightning", "autobatch.integrations.lightning")
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr  # noqa: E402
@@ -71,15 +70,6 @@ def _same_optimizer(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.o
         return type(optimizer)([dict(group) for group in groups])
 
     return make
-
-
-def _batches_from(dataloader: Any) -> Callable[[int], Any]:
-    """``b`` samples of the train dataloader's dataset, collated the way its DataLoader collates them."""
-    dataset, collate = dataloader.dataset, dataloader.collate_fn
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        n = len(dataset)
-        return lambda b: collate([dataset[i % n] for i in range(b)])
-    return lambda b: collate(list(itertools.islice(itertools.cycle(dataset), b)))
 
 
 class AutoBatch(_pl.Callback):
@@ -147,7 +137,8 @@ class AutoBatch(_pl.Callback):
         target = self.target or int(current) * trainer.accumulate_grad_batches * world
         if not trainer.optimizers:
             raise AutobatchError("AutoBatch needs configure_optimizers to return an optimizer, but there is none")
-        make_batch = self.make_batch or _batches_from(_train_dataloader(trainer))
+        loader = None if self.make_batch else _train_dataloader(trainer)
+        make_batch = self.make_batch or batches_from_dataset(loader.dataset, loader.collate_fn)
         workload = Workload(
             _TrainingStep(pl_module), make_batch, loss_fn=lambda step, batch: step(batch),
             optimizer=_same_optimizer(trainer.optimizers[0]),

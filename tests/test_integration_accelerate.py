@@ -7,6 +7,8 @@ accelerate's decorator on the same function (its sequence is the ×0.9 walk).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -70,11 +72,9 @@ def test_a_starting_batch_that_fits_runs_once_like_accelerate() -> None:
     assert ours.batch_sizes == [16]
 
 
-def test_with_memory_figures_the_search_takes_a_few_trials() -> None:
-    backend = SimulatedBackend("2MiB")
-
-    @find_executable_batch_size(starting_batch_size=4096, backend=backend)
-    def train(batch_size: int) -> int:
+def mlp_training(batch_size: int, backend: SimulatedBackend | None = None) -> int:
+    """Three AdamW steps of an MLP; under ``backend``'s budget when given (accelerate's decorator knows none)."""
+    with backend.track([]) if backend is not None else nullcontext():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
         optimizer = torch.optim.AdamW(model.parameters())
@@ -83,12 +83,26 @@ def test_with_memory_figures_the_search_takes_a_few_trials() -> None:
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return batch_size
+    return batch_size
 
+
+def test_with_memory_figures_the_search_takes_a_few_trials(monkeypatch) -> None:
+    monkeypatch.setattr("accelerate.utils.memory.clear_device_cache", lambda garbage_collection=False: None)
+    backend = SimulatedBackend("2MiB")
+    tried: list[int] = []
+
+    @accelerate_find(starting_batch_size=4096)
+    def theirs(batch_size: int) -> int:
+        tried.append(batch_size)
+        return mlp_training(batch_size, backend)
+
+    assert theirs() == 549 and len(tried) == 20  # 19 runs out of memory, then 7 under the max
+
+    train = find_executable_batch_size(starting_batch_size=4096, backend=backend)(mlp_training)
     best = train()
     fits = {t.batch: t.fits for t in train.trials}
-    assert fits[best] and not fits[best + 1]  # exact: the next batch ran out of memory
-    # 4096 fails; 6 two-step trials with per-phase peaks find 556 (557 fails); the real run at 556.
+    assert best == 556 and fits[best] and not fits[best + 1]  # exact: the next batch ran out of memory
+    # 4096 fails; 7 two-step trials with per-phase peaks find 556; then the real run at 556.
     assert train.batch_sizes == [4096, 1, 23, 769, 571, 492, 557, 556, 556]
 
 

@@ -133,3 +133,16 @@ def test_ddp_ranks_agree_on_the_smaller_device() -> None:
     # there); 64 per rank × 2 accumulation × 2 ranks = 256
     assert (max_batch, trials[-2:]) == (100, [100, 101])
     assert (micro, accumulation, steps) == (64, 2, 2) and seen == [64] * 4
+
+
+def test_lightnings_own_finder_on_the_same_model_and_budget() -> None:
+    """The figures docs/integrations.md puts beside AutoBatch's (6 trials, exact 111 above)."""
+    tools = pytest.importorskip("benchmarks.tools")
+    from autobatch import Workload
+
+    work = Workload(lambda: torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)),
+                    lambda b: (torch.randn(b, 32), torch.randint(0, 4, (b,))),
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
+    run = tools.run_lightning(work, "240KiB", "binsearch")
+    assert [b for b, _ in run.tried] == [2, 4, 8, 16, 32, 64, 128, 96, 112, 120, 116, 114, 113]
+    assert (run.returned, run.trials, run.steps) == (106, 13, 29)  # 5 % under the 112 it saw train

@@ -84,6 +84,14 @@ def test_readme_lists_each_recipes_run_command() -> None:
     assert sorted(listed) == sorted(run_command(name) for name in recipe_names())
 
 
+def test_integrations_doc_shows_the_recipes_run_commands() -> None:
+    doc = (RECIPES.parent / "docs" / "integrations.md").read_text()
+    shown = [line.strip() for block in re.findall(r"```bash\n(.*?)```", doc, re.S) for line in block.splitlines()
+             if line.strip()]
+    names = ("lightning_autobatch", "hf_autobatch", "accelerate_find", "guard_loop")
+    assert shown == [run_command(name) for name in names]  # so test_recipe_runs_as_its_header_says runs them
+
+
 @pytest.mark.parametrize("name", recipe_names())
 def test_recipe_runs_as_its_header_says(name: str, tmp_path: Path) -> None:
     needs, sentinels = EXPECTED[name]

@@ -40,6 +40,7 @@ from .estimating.gpus import GPUS, GpuSpec, lookup_gpu
 from .estimating.overheads import Overheads
 from .estimating.prior import trace_prior
 from .models import load_model
+from .guard import GuardedStep, OOMGuard
 from .pipeline import Finding, find, find_plan
 from .planning.plan import LRAdvice, Plan
 from .planning.solver import NoExactPlanError, exact_plans, solve
@@ -111,6 +112,8 @@ __all__ = [
     "token_cross_entropy",
     "GAVerification",
     "verify_ga",
+    "OOMGuard",
+    "GuardedStep",
     # every rank
     "is_launched",
     "process_group",

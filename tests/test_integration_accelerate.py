@@ -16,9 +16,9 @@ from autobatch import SimulatedBackend
 from autobatch.errors import AutobatchError
 
 accelerate = pytest.importorskip("accelerate", reason="needs the accelerate extra: pip install 'autobatch[accelerate]'")
-from accelerate.utils import find_executable_batch_size as accelerate_find  # noqa: E402
+from accelerate.utils import find_executable_batch_size as accelerate_find
 
-from autobatch.integrations.accelerate import find_executable_batch_size  # noqa: E402
+from autobatch.integrations.accelerate import find_executable_batch_size
 
 LIMIT = 37  # the largest batch the fake device holds
 

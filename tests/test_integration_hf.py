@@ -10,9 +10,13 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'autobatch[hf]'")
 
-from autobatch.errors import AutobatchError  # noqa: E402
-from autobatch.integrations.hf import AutoBatchCallback, deepspeed_batch_config, fit_training_args  # noqa: E402
-from autobatch.plan import Plan  # noqa: E402
+from autobatch.errors import AutobatchError
+from autobatch.integrations.hf import (
+    AutoBatchCallback,
+    deepspeed_batch_config,
+    fit_training_args,
+)
+from autobatch.plan import Plan
 
 SEQ = 32
 MAX, TRIALS = 13, [1, 13, 14]  # the probe on 3 MiB: exact, 14 ran out of memory

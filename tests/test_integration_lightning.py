@@ -12,10 +12,10 @@ import torch
 pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra: pip install 'autobatch[lightning]'")
 
 from autobatch.errors import AutobatchError  # noqa: E402
+from autobatch.integrations.lightning import AutoBatch  # noqa: E402
 
 # Two processes that each import torch and Lightning: ~20 s alone, over a minute on a shared CPU.
 DDP_REASON = "two-process gloo DDP run; set AUTOBATCH_DDP_TESTS=1 to include it"
-from autobatch.integrations.lightning import AutoBatch  # noqa: E402
 
 
 class Data(pl.LightningDataModule):

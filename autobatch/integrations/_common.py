@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import itertools
+import logging
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import torch
-
 import torch.distributed as dist
 
+from ..backends import MemoryBackend
 from ..errors import AutobatchError, MissingDependencyError
 from ..lockstep import probe_distributed
 from ..plan import Plan
 from ..probe import DEFAULT_HEADROOM, ProbeResult, probe
 from ..solver import solve
-from ..backends import MemoryBackend
 from ..workload import Workload
 
 __all__ = ["require", "world", "probe_here", "plan_for", "log_main", "batches_from_dataset", "POOL"]

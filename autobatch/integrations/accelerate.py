@@ -39,7 +39,10 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from ..backends import CudaBackend, MemoryBackend
 from ..errors import AutobatchError

@@ -34,7 +34,11 @@ from ..workload import Workload
 from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
 
 _pl = require("lightning.pytorch", "lightning", "autobatch.integrations.lightning")
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr  # noqa: E402
+from lightning.pytorch.utilities.parsing import (
+    lightning_getattr,
+    lightning_hasattr,
+    lightning_setattr,
+)
 
 __all__ = ["AutoBatch"]
 

@@ -106,8 +106,8 @@ def _ddp_worker(budgets: tuple[str, str]) -> tuple[list[tuple[int, int, int]], d
     return histories[0], {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.skipif(not os.environ.get("AUTOBATCH_DDP_TESTS"), reason="two-process gloo DDP run (~20 s alone, "
-                    "a minute on a shared CPU); set AUTOBATCH_DDP_TESTS=1 to include it")
+@pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason="two-process gloo DDP run (~20 s alone, "
+                    "a minute on a shared CPU); set AUTOBATCH_SLOW_TESTS=1 to include it")
 def test_every_rank_splits_the_same_step_and_ddp_trains_like_one_big_batch() -> None:
     from autobatch.distributed import spawn_local
 
@@ -165,7 +165,7 @@ def _fails(_: int) -> None:
     raise ValueError("this rank's own error")
 
 
-@pytest.mark.skipif(not os.environ.get("AUTOBATCH_DDP_TESTS"), reason="two processes; set AUTOBATCH_DDP_TESTS=1")
+@pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason="two processes; set AUTOBATCH_SLOW_TESTS=1")
 def test_spawn_local_reports_a_workers_own_error() -> None:
     # spawn_local caught torch.multiprocessing.ProcessException, which does not exist: a failing
     # worker surfaced as AttributeError instead of its error.

@@ -15,7 +15,8 @@ from autobatch.errors import AutobatchError  # noqa: E402
 from autobatch.integrations.lightning import AutoBatch  # noqa: E402
 
 # Two processes that each import torch and Lightning: ~20 s alone, over a minute on a shared CPU.
-DDP_REASON = "two-process gloo DDP run; set AUTOBATCH_DDP_TESTS=1 to include it"
+DDP_REASON = "two-process gloo DDP run; set AUTOBATCH_SLOW_TESTS=1 to include it"
+SLOW = not os.environ.get("AUTOBATCH_SLOW_TESTS")
 
 
 class Data(pl.LightningDataModule):
@@ -122,7 +123,7 @@ def _ddp_fit(budgets: tuple[str, str]) -> list:
     return everyone
 
 
-@pytest.mark.skipif(not os.environ.get("AUTOBATCH_DDP_TESTS"), reason=DDP_REASON)
+@pytest.mark.skipif(SLOW, reason=DDP_REASON)
 def test_ddp_ranks_agree_on_the_smaller_device() -> None:
     from autobatch.distributed import spawn_local
 
@@ -135,6 +136,8 @@ def test_ddp_ranks_agree_on_the_smaller_device() -> None:
     assert (micro, accumulation, steps) == (64, 2, 2) and seen == [64] * 4
 
 
+@pytest.mark.skipif(SLOW, reason="13 Lightning fit loops (half a minute on a shared CPU) for the docs' comparison "
+                    "table; set AUTOBATCH_SLOW_TESTS=1 to include it")
 def test_lightnings_own_finder_on_the_same_model_and_budget() -> None:
     """The figures docs/integrations.md puts beside AutoBatch's (6 trials, exact 111 above)."""
     tools = pytest.importorskip("benchmarks.tools")

@@ -4,7 +4,7 @@ A batch size probed at the usual sequence length can still run out of memory on 
 in a thousand that is four times longer. :class:`OOMGuard` runs one optimizer step's forward and
 backward; when that runs out of memory it throws the partial gradients away and runs the step
 again as 2, 4, 8, … micro-batches. The loss of every micro-batch is its *summed* per-token (or
-per-sample) loss divided by the count over the whole step (:class:`~autobatch.accumulation.LossNormaliser`),
+per-sample) loss divided by the count over the whole step (:class:`~autobatch.checking.accumulation.LossNormaliser`),
 so the gradients equal those of the whole batch: splitting changes the memory, not the update.
 
 Across ranks, every rank splits the same step the same way: after each micro-batch the ranks
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .accumulation import LossNormaliser, count_loss_tokens
+from .checking.accumulation import LossNormaliser, count_loss_tokens
 from .errors import AutobatchError
-from .oom import is_oom_error
+from .probing.oom import is_oom_error
 
 __all__ = ["OOMGuard", "GuardedStep", "split_batch", "batch_length", "any_rank"]
 
@@ -121,7 +121,7 @@ class OOMGuard:
         model: the model (a ``DistributedDataParallel`` wrapper is fine: the micro-batches run
             under its ``no_sync`` and the guard averages the gradients once the step went through).
         loss_fn: ``loss_fn(model, batch)`` returns the *unreduced* losses, either
-            ``(per_token_losses, mask)`` as :func:`~autobatch.accumulation.token_cross_entropy`
+            ``(per_token_losses, mask)`` as :func:`~autobatch.checking.accumulation.token_cross_entropy`
             returns them, or one loss per sample (a tensor of shape ``(batch,)``).
         labels: ``labels(batch)`` returns the label tensor whose non-ignored entries are the
             loss's items (tokens, or samples for per-sample labels); default the batch's

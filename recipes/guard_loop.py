@@ -19,7 +19,7 @@ import logging
 import torch
 
 import autobatch
-from autobatch.accumulation import token_cross_entropy
+from autobatch.checking.accumulation import token_cross_entropy
 from autobatch.guard import OOMGuard
 
 VOCAB = 64

@@ -29,6 +29,7 @@ ALLOWED = {
     "checking": FOUNDATION | {"probing", "planning", "configs", "models"},
     "tuning": FOUNDATION | {"probing", "planning", "models"},
     "pipeline": FOUNDATION | {"probing", "planning", "models", "distributed", "estimating", "configs", "tuning"},
+    "guard": FOUNDATION | {"probing", "checking"},
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autobatch import SimulatedBackend
-from autobatch.accumulation import token_cross_entropy
+from autobatch.checking.accumulation import token_cross_entropy
 from autobatch.errors import AutobatchError
 from autobatch.guard import OOMGuard, split_batch
 

@@ -16,7 +16,7 @@ from autobatch.integrations.hf import (
     deepspeed_batch_config,
     fit_training_args,
 )
-from autobatch.plan import Plan
+from autobatch.planning.plan import Plan
 
 SEQ = 32
 MAX, TRIALS = 13, [1, 13, 14]  # the probe on 3 MiB: exact, 14 ran out of memory

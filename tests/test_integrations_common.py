@@ -10,7 +10,7 @@ import torch
 
 from autobatch.errors import MissingDependencyError
 from autobatch.integrations._common import batches_from_dataset
-from autobatch.memtrack import MemoryTracker
+from autobatch.probing.memtrack import MemoryTracker
 
 
 @pytest.mark.parametrize("module, framework, extra", [

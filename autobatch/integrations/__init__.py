@@ -9,4 +9,4 @@ probe with the library's own search (:func:`autobatch.probe`, every rank in lock
 
 from __future__ import annotations
 
-__all__: list[str] = []
+__all__ = []  # the integrations are imported by name, each with its framework

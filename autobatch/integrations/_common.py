@@ -12,13 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends import MemoryBackend
+from ..distributed.lockstep import probe_distributed
 from ..errors import AutobatchError, MissingDependencyError
-from ..lockstep import probe_distributed
-from ..plan import Plan
-from ..probe import DEFAULT_HEADROOM, ProbeResult, probe
-from ..solver import solve
-from ..workload import Workload
+from ..planning.plan import Plan
+from ..planning.solver import solve
+from ..probing.backends import MemoryBackend
+from ..probing.probe import DEFAULT_HEADROOM, probe
+from ..probing.result import ProbeResult
+from ..probing.workload import Workload
 
 __all__ = ["require", "world", "probe_here", "plan_for", "log_main", "batches_from_dataset", "POOL"]
 

@@ -44,15 +44,15 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ..backends import CudaBackend, MemoryBackend
+from ..distributed.lockstep import _agreed, _share_trial
 from ..errors import AutobatchError
-from ..lockstep import _agreed, _share_trial
-from ..oom import is_oom_error
-from ..plan import Plan, require_positive_int
-from ..preserve import borrowed_model
-from ..search import SearchOutcome, search_max
-from ..solver import solve
-from ..trial import Trial
+from ..planning.plan import Plan, require_positive_int
+from ..planning.solver import solve
+from ..probing.backends import CudaBackend, MemoryBackend
+from ..probing.oom import is_oom_error
+from ..probing.preserve import borrowed_model
+from ..probing.search import SearchOutcome, search_max
+from ..probing.trial import Trial
 from ._common import world
 
 __all__ = ["find_executable_batch_size", "TrialStop"]

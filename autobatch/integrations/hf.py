@@ -25,15 +25,16 @@ from typing import Any
 
 import torch
 
-from ..backends import MemoryBackend
 from ..errors import AutobatchError
-from ..oom import is_oom_error
-from ..plan import Plan, require_positive_int
-from ..preserve import borrowed_model
-from ..probe import DEFAULT_HEADROOM, ProbeResult, make_backend
-from ..search import search_max
-from ..trial import Trial, to_device
-from ..workload import Workload, default_loss, resolve_dtype
+from ..planning.plan import Plan, require_positive_int
+from ..probing.backends import MemoryBackend
+from ..probing.oom import is_oom_error
+from ..probing.preserve import borrowed_model
+from ..probing.probe import DEFAULT_HEADROOM, make_backend
+from ..probing.result import ProbeResult
+from ..probing.search import search_max
+from ..probing.trial import Trial, to_device
+from ..probing.workload import Workload, default_loss, resolve_dtype
 from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
 
 _transformers = require("transformers", "hf", "autobatch.integrations.hf")

@@ -14,7 +14,7 @@ the model up, before the first batch):
   model, its ``hparams``, the datamodule) and ``trainer.accumulate_grad_batches``;
 * logs the plan on rank 0 and keeps it in ``callback.plan`` (and the probe in ``callback.result``).
 
-Weights, buffers, gradients and the RNG come back bit for bit (:func:`autobatch.preserve.borrowed_model`).
+Weights, buffers, gradients and the RNG come back bit for bit (:func:`autobatch.probing.preserve.borrowed_model`).
 ``self.log`` calls inside ``training_step`` are ignored while probing.
 """
 
@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
-from ..backends import MemoryBackend
 from ..errors import AutobatchError
-from ..plan import Plan, require_positive_int
-from ..probe import DEFAULT_HEADROOM, ProbeResult, make_backend
-from ..workload import Workload
+from ..planning.plan import Plan, require_positive_int
+from ..probing.backends import MemoryBackend
+from ..probing.probe import DEFAULT_HEADROOM, make_backend
+from ..probing.result import ProbeResult
+from ..probing.workload import Workload
 from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
 
 _pl = require("lightning.pytorch", "lightning", "autobatch.integrations.lightning")

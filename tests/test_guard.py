@@ -160,16 +160,3 @@ def test_split_batch_cuts_every_tensor_on_dim_0_and_keeps_the_container() -> Non
     pairs = split_batch((torch.zeros(4, 3), torch.arange(4)), 4)
     assert [type(p) for p in pairs] == [tuple] * 4 and [p[1].item() for p in pairs] == [0, 1, 2, 3]
 
-
-def _fails(_: int) -> None:
-    raise ValueError("this rank's own error")
-
-
-@pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason="two processes; set AUTOBATCH_SLOW_TESTS=1")
-def test_spawn_local_reports_a_workers_own_error() -> None:
-    # spawn_local caught torch.multiprocessing.ProcessException, which does not exist: a failing
-    # worker surfaced as AttributeError instead of its error.
-    from autobatch.distributed import spawn_local
-
-    with pytest.raises(AutobatchError, match="failed with ValueError: this rank's own error"):
-        spawn_local(_fails, (0,), nprocs=2, backend="gloo", timeout_s=30)

@@ -22,6 +22,7 @@ ALLOWED = {
     "modelinfo": {"errors"},
     "probing": FOUNDATION,
     "planning": FOUNDATION,
+    "guard": FOUNDATION | {"probing", "checking"},
     "models": FOUNDATION | {"probing"},
     "distributed": FOUNDATION | {"probing"},
     "estimating": FOUNDATION | {"probing", "models"},
@@ -29,7 +30,6 @@ ALLOWED = {
     "checking": FOUNDATION | {"probing", "planning", "configs", "models"},
     "tuning": FOUNDATION | {"probing", "planning", "models"},
     "pipeline": FOUNDATION | {"probing", "planning", "models", "distributed", "estimating", "configs", "tuning"},
-    "guard": FOUNDATION | {"probing", "checking"},
 }
 
 

@@ -41,6 +41,7 @@ from .estimating.overheads import Overheads
 from .estimating.prior import trace_prior
 from .lengths import LengthRow, LengthTable, probe_lengths
 from .models import load_model
+from .guard import GuardedStep, OOMGuard
 from .pipeline import Finding, find, find_plan
 from .planning.plan import LRAdvice, Plan
 from .planning.solver import NoExactPlanError, exact_plans, solve
@@ -119,6 +120,8 @@ __all__ = [
     "token_cross_entropy",
     "GAVerification",
     "verify_ga",
+    "OOMGuard",
+    "GuardedStep",
     # every rank
     "is_launched",
     "process_group",

@@ -22,6 +22,7 @@ ALLOWED = {
     "modelinfo": {"errors"},
     "probing": FOUNDATION,
     "planning": FOUNDATION,
+    "guard": FOUNDATION | {"probing", "checking"},
     "models": FOUNDATION | {"probing"},
     "distributed": FOUNDATION | {"probing"},
     "estimating": FOUNDATION | {"probing", "models"},

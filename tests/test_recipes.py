@@ -33,6 +33,16 @@ EXPECTED: dict[str, tuple[tuple[str, ...], list[str]]] = {
                                        "done: 3 optimizer steps"]),
     "deepspeed_config": (("deepspeed",), ["7 per GPU × 2 accumulation × 16 GPUs (16 per node × 1 node) = 224",
                                        "deepspeed accepts it on 16 ranks: 7 micro × 2 accumulation × 16 = 224, ZeRO stage 2"]),
+    "lightning_autobatch": (("lightning",), ["max batch 111 (limited by memory), found in 9 trials",
+                                             "# 64 batch size * 4 accumulate_grad_batches * 1 devices = 256 samples per step",
+                                             "done: 3 optimizer steps"]),
+    "hf_autobatch": (("transformers", "accelerate"), ["max batch 13 (limited by memory), found in 5 trials",
+                                                      "# 8 per device * 4 grad accum * 1 devices = 32 sequences per step (asked: 32); eval batch 32",
+                                                      "done: 2 optimizer steps"]),
+    "accelerate_find": (("accelerate",), ["batch sizes the function was called with: [1024, 1, 6, 147, 346, 708, 532, 580, 556, 557, 512]",
+                                          "# 512 micro batch * 2 grad accum * 1 process(es) = 1024 samples per step",
+                                          "done: 3 optimizer steps"]),
+    "guard_loop": ((), ["split steps: [4, 14] of 20, micro-batches per batch: [4, 4]", "same weights"]),
     "lightning_fit": (("lightning",), ["# 128 batch size * 4 accumulate_grad_batches * 1 devices * 1 nodes = 512 samples per step",
                                     "done: 3 optimizer steps"]),
 }
@@ -72,6 +82,14 @@ def test_readme_lists_each_recipes_run_command() -> None:
     readme = (RECIPES / "README.md").read_text()
     listed = re.findall(r"`(python recipes/\S+\.py[^`]*)`", readme)
     assert sorted(listed) == sorted(run_command(name) for name in recipe_names())
+
+
+def test_integrations_doc_shows_the_recipes_run_commands() -> None:
+    doc = (RECIPES.parent / "docs" / "integrations.md").read_text()
+    shown = [line.strip() for block in re.findall(r"```bash\n(.*?)```", doc, re.S) for line in block.splitlines()
+             if line.strip()]
+    names = ("lightning_autobatch", "hf_autobatch", "accelerate_find", "guard_loop")
+    assert shown == [run_command(name) for name in names]  # so test_recipe_runs_as_its_header_says runs them
 
 
 @pytest.mark.parametrize("name", recipe_names())

@@ -1,0 +1,313 @@
+"""A drop-in for accelerate's ``find_executable_batch_size``: the exact largest batch, agreed by every rank.
+
+accelerate's decorator runs the training function at ``starting_batch_size`` and, on each
+out-of-memory error, again at ``0.9 ×`` the batch: it lands up to 10 % under the largest batch
+that fits, pays one failed run per 10 %, and each rank shrinks on its own. This one keeps the
+call shape (``@find_executable_batch_size(starting_batch_size=128)`` over ``def train(batch_size, …)``)
+and:
+
+1. runs the function at ``starting_batch_size`` (or the plan's micro batch for ``target``); when
+   it completes, that is the answer, exactly as accelerate does;
+2. when that runs out of memory, searches with short *trials*: the function runs until its
+   ``steps``-th optimizer step (a global optimizer hook then stops it), and the library's search
+   (:func:`autobatch.search_max`, fed with the device's peak memory when a backend can measure it)
+   finds the exact largest batch that trains in a few of them; in a process group the ranks
+   agree after every trial, so every rank runs the same batch sizes;
+3. runs the function for real at that batch; with ``target`` (and ``accelerator``) it sets the
+   accelerator's gradient accumulation so that micro batch × accumulation × processes = target.
+
+Build the model and optimizer inside the function, as accelerate's own example does: each trial
+then starts from fresh weights. Modules passed as arguments are restored after each trial.
+A later out-of-memory error in the real run (a rare long batch, evaluation) falls back to
+``reduce_batch_size_fn`` (default ``0.9 ×``); see :class:`autobatch.guard.OOMGuard` to split such
+a step instead of restarting. Ranks agree *after* each trial: a rank that runs out of memory
+inside one of the function's own collectives still leaves the others waiting until the group's
+timeout, as with accelerate's decorator.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ..distributed.lockstep import _agreed, _share_trial
+from ..errors import AutobatchError
+from ..planning.plan import Plan, require_positive_int
+from ..planning.solver import solve
+from ..probing.backends import CudaBackend, MemoryBackend
+from ..probing.oom import is_oom_error
+from ..probing.preserve import borrowed_model
+from ..probing.search import SearchOutcome, search_max
+from ..probing.trial import Trial
+from ._common import world
+
+__all__ = ["find_executable_batch_size", "TrialStop"]
+
+log = logging.getLogger("autobatch.integrations.accelerate")
+
+
+class TrialStop(BaseException):
+    """Raised from the optimizer hook when a trial has run its steps (a BaseException: ``except Exception`` lets it pass)."""
+
+
+class _StepCounter:
+    """Counts optimizer steps while installed and reads the peaks per phase; raises :class:`TrialStop` at the ``steps``-th.
+
+    Forward and backward (up to the optimizer's step) and the step itself peak differently; the
+    search draws a line per phase, as it does for :func:`autobatch.probe`'s trials.
+    """
+
+    def __init__(self, steps: int, backend: MemoryBackend | None):
+        self.steps, self.done, self.backend = steps, 0, backend
+        self.resident: int | None = None
+        self.forward_backward = self.optimizer = self.allocated = 0
+
+    def _read(self) -> int:
+        peak = self.backend.peak()
+        self.allocated = max(self.allocated, peak.allocated)
+        self.backend.reset_peak()
+        return peak.reserved
+
+    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.backend is not None:
+            self.forward_backward = max(self.forward_backward, self._read())
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.backend is not None:
+            self.optimizer = max(self.optimizer, self._read())
+        self.done += 1
+        if self.done >= self.steps:
+            # What stays between steps (weights, optimizer state: not the gradients, which the
+            # loop is about to clear) is where the search's chord starts, as in probe's trials.
+            if self.backend is not None:
+                grads = sum(p.grad.nbytes for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+                self.resident = self.backend.allocated_bytes() - grads
+            raise TrialStop(f"{self.done} optimizer steps ran")
+
+    def finish(self) -> None:
+        """After the trial: a failure's peak belongs to the phase it happened in."""
+        if self.backend is not None:
+            self.forward_backward = max(self.forward_backward, self._read())
+
+
+def _default_backend() -> MemoryBackend | None:
+    return CudaBackend(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else None
+
+
+def _clear() -> None:
+    # A failed step's tensors die with its cleared frames; on a GPU, also hand the cache back.
+    # (gc.collect costs up to a second in a large process, so only where there is a cache.)
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def find_executable_batch_size(
+    function: Callable[..., Any] | None = None,
+    starting_batch_size: int = 128,
+    reduce_batch_size_fn: Callable[[], int] | None = None,
+    *,
+    backend: MemoryBackend | None = None,
+    steps: int = 2,
+    target: int | None = None,
+    accelerator: Any = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> Callable[..., Any]:
+    """Decorate ``function(batch_size, *args, **kwargs)``; call it without the batch size.
+
+    Args:
+        function: the training function; its first parameter receives the batch size.
+        starting_batch_size: the largest batch to run, tried first (as in accelerate).
+        reduce_batch_size_fn: after the search, what a later out-of-memory error in the real run
+            falls back to (no arguments, returns the next batch); default ``0.9 ×``.
+        backend: where trials measure peak memory (default the current CUDA device, none on the
+            CPU: the search then bisects on fit / out-of-memory alone, still exactly).
+        steps: optimizer steps a trial runs before it is stopped (2: the optimizer state exists
+            from the first step and the second carries it).
+        target: a global batch to keep: the batch passed is a micro batch that divides
+            ``target / processes`` and the accelerator accumulates the rest.
+        accelerator: the ``accelerate.Accelerator`` whose ``gradient_accumulation_steps`` is set
+            for ``target`` (and whose process count is the world size).
+        on_trial: called with each (agreed) trial.
+
+    Attributes of the returned wrapper after a call: ``batch_sizes`` (every batch the function
+    was called with, in order), ``trials`` (the search's trials), ``plan`` (with ``target``).
+
+    Example:
+        >>> @find_executable_batch_size(starting_batch_size=64)
+        ... def train(batch_size):
+        ...     return batch_size
+        >>> train()
+        64
+    """
+    if function is None:
+        return functools.partial(
+            find_executable_batch_size, starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn, backend=backend, steps=steps, target=target,
+            accelerator=accelerator, on_trial=on_trial,
+        )
+    starting_batch_size = require_positive_int("starting_batch_size", starting_batch_size)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise AutobatchError(f"steps must be a positive integer, but got steps={steps!r}")
+    if target is not None:
+        require_positive_int("target", target, fix="pass the global batch to keep, or leave target out")
+
+    @functools.wraps(function)
+    def decorator(*args: Any, **kwargs: Any) -> Any:
+        params = list(inspect.signature(function).parameters)
+        if len(params) < len(args) + 1:  # accelerate's guard against passing the batch size too
+            arg_str = ", ".join(f"{a}={v}" for a, v in zip(params[1:], args[1:]))
+            raise TypeError(
+                f"Batch size was passed into `{function.__name__}` as the first argument when called."
+                f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`"
+            )
+        device = backend if backend is not None else _default_backend()
+        processes = accelerator.num_processes if accelerator is not None else world()[1]
+        decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
+        searched = False
+        cap = starting_batch_size
+        while True:
+            batch = cap
+            if target is not None:
+                decorator.plan = _plan(target, processes, cap)
+                batch = decorator.plan.micro_batch
+                if accelerator is not None:
+                    accelerator.gradient_accumulation_steps = decorator.plan.grad_accum
+                log.info("autobatch: %s", decorator.plan)
+            decorator.batch_sizes.append(batch)
+            _clear()
+            try:
+                # Under the backend's accounting, so that a simulated budget limits the run too.
+                with device.track([]) if device is not None else nullcontext():
+                    return function(batch, *args, **kwargs)
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                traceback.clear_frames(exc.__traceback__)
+                line = str(exc).splitlines()[0][:200]
+            _clear()
+            if not searched:
+                searched = True
+                log.warning("autobatch: batch %d ran out of memory (%s); searching below it with %d-step trials",
+                            batch, line, steps)
+                if batch <= 1:
+                    raise AutobatchError(
+                        "even a batch of 1 runs out of memory; use a shorter sequence, bf16, gradient "
+                        "checkpointing, a smaller model or a larger device")
+                outcome, finished = _search(function, args, kwargs, device, batch - 1, steps, on_trial, decorator.batch_sizes)
+                decorator.trials = outcome.trials
+                if finished:  # the function ended before its steps-th optimizer step: that was the run
+                    log.info("autobatch: the function finished within its trial at batch %d", outcome.trials[-1].batch)
+                    return finished[0]
+                if outcome.max_batch == 0:
+                    raise AutobatchError(
+                        "no executable batch size found: even a batch of 1 runs out of memory "
+                        f"({len(outcome.trials)} trials); use a shorter sequence, bf16, gradient checkpointing, "
+                        "a smaller model or a larger device")
+                cap = outcome.max_batch
+                log.info("autobatch: the largest batch that trains is %d (%d trials: %s)", cap, len(outcome.trials),
+                         ", ".join(f"{t.batch}{'✓' if t.fits else '✗'}" for t in outcome.trials))
+            else:
+                cap = reduce_batch_size_fn() if reduce_batch_size_fn is not None else int(batch * 0.9)
+                log.warning("autobatch: the run at batch %d ran out of memory later (%s); retrying at %d", batch, line, cap)
+                if cap < 1:
+                    raise RuntimeError("No executable batch size found, reached zero.")
+
+    decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
+    return decorator
+
+
+def _plan(target: int, processes: int, cap: int) -> Plan:
+    return solve(target, gpus_per_node=processes, max_micro=cap)
+
+
+def _search(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: MemoryBackend | None,
+    cap: int, steps: int, on_trial: Callable[[Trial], None] | None, called: list[int],
+) -> tuple[SearchOutcome, list[Any]]:
+    """The search's outcome, and ``[result]`` when a trial ran the function to its end (then the search stopped)."""
+    finished: list[Any] = []
+    modules = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module)]
+    distributed = world()[1] > 1
+
+    def run(batch: int) -> Trial:
+        if finished:  # stop the search at once: a returned function is not run again
+            raise _Finished
+        called.append(batch)
+        trial = _trial(function, batch, args, kwargs, backend, steps, modules, finished)
+        if distributed:
+            trial = _agreed(batch, [replace(t, batch=batch) for t in _share_trial(trial) if t is not None])
+        if on_trial is not None:
+            on_trial(trial)
+        return trial
+
+    capacity = backend.capacity() if backend is not None else 1
+    trials: list[Trial] = []
+
+    def recorded(batch: int) -> Trial:
+        trials.append(run(batch))
+        return trials[-1]
+
+    try:
+        return search_max(recorded, capacity, max_batch=cap), finished
+    except _Finished:
+        return SearchOutcome(trials[-1].batch, "memory", tuple(trials)), finished
+
+
+class _Finished(Exception):
+    """A trial ran the function to its end; the search stops."""
+
+
+def _trial(
+    function: Callable[..., Any], batch: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+    backend: MemoryBackend | None, steps: int, modules: list[torch.nn.Module], finished: list[Any],
+) -> Trial:
+    counter = _StepCounter(steps, backend)
+    error = None
+    start = time.perf_counter()
+    with ExitStack() as stack:
+        for module in modules:  # the user's modules come back bit for bit
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+            stack.enter_context(borrowed_model(module, device))
+        if backend is not None:
+            backend.release()
+            stack.enter_context(backend.track([]))
+        handles = (register_optimizer_step_pre_hook(counter.before), register_optimizer_step_post_hook(counter))
+        try:
+            finished.append(function(batch, *args, **kwargs))
+        except TrialStop:
+            pass
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            traceback.clear_frames(exc.__traceback__)
+            error = str(exc).splitlines()[0][:300]
+        finally:
+            for handle in handles:
+                handle.remove()
+        counter.finish()
+    _clear()
+    if backend is not None:
+        backend.release()
+    return Trial(
+        batch=batch, fits=error is None, peak_bytes=counter.allocated,
+        reserved_bytes=max(counter.forward_backward, counter.optimizer),
+        forward_backward_bytes=counter.forward_backward, optimizer_bytes=counter.optimizer,
+        resident_bytes=counter.resident if error is None else None,
+        seconds_per_step=(time.perf_counter() - start) / max(1, counter.done) if error is None else None,
+        error=error,
+    )

@@ -1,0 +1,270 @@
+"""HF Trainer: probed ``TrainingArguments`` that keep the global batch, and a ``TrainerCallback`` form.
+
+The Trainer's own ``auto_find_batch_size`` only shrinks (from the batch given, halving on each
+out-of-memory error), restarts the training loop silently, leaves ``gradient_accumulation_steps``
+alone (so the global batch changes) and does not cover ZeRO-3. :func:`fit_training_args` instead
+probes the model's real training step (the Trainer's optimizer class and settings, its bf16/fp16
+autocast, its gradient checkpointing), then returns new ``TrainingArguments`` whose
+``per_device_train_batch_size × gradient_accumulation_steps × world size`` equals the old global
+batch (or ``target``), with ``per_device_eval_batch_size`` from a forward-only probe and the
+DeepSpeed config's explicit batch values rewritten to match (``"auto"`` values stay ``"auto"``
+and the Trainer fills them from the new arguments). The arguments passed in are not changed,
+nor is a DeepSpeed JSON file: a changed config is passed on as a dict.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ..errors import AutobatchError
+from ..planning.plan import Plan, require_positive_int
+from ..probing.backends import MemoryBackend
+from ..probing.oom import is_oom_error
+from ..probing.preserve import borrowed_model
+from ..probing.probe import DEFAULT_HEADROOM, make_backend
+from ..probing.result import ProbeResult
+from ..probing.search import search_max
+from ..probing.trial import Trial, to_device
+from ..probing.workload import Workload, default_loss, resolve_dtype
+from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
+
+_transformers = require("transformers", "hf", "autobatch.integrations.hf")
+
+__all__ = ["fit_training_args", "AutoBatchCallback", "deepspeed_batch_config", "probe_eval_batch"]
+
+log = logging.getLogger("autobatch.integrations.hf")
+
+_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def _make_batch(sample: Any, data_collator: Callable[[list[Any]], Any] | None, train_dataset: Any) -> Callable[[int], Any]:
+    collate = data_collator or _transformers.default_data_collator
+    if sample is not None:
+        return lambda b: collate([sample] * b)
+    if train_dataset is not None:
+        return batches_from_dataset(train_dataset, collate)
+    raise AutobatchError(
+        "fit_training_args needs a sample (one training example at the longest length you train on), a "
+        "train_dataset, or make_batch=… to build probe batches"
+    )
+
+
+def deepspeed_batch_config(config: Any, plan: Plan) -> dict[str, Any] | None:
+    """A copy of a DeepSpeed config (dict or JSON path) whose explicit batch values match ``plan``.
+
+    ``"auto"`` values are left for the Trainer to fill from the arguments; ``None`` when nothing
+    needed changing (pass the original on).
+
+    Example:
+        >>> deepspeed_batch_config({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": "auto"}, Plan(4, 2))
+        {'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 'auto'}
+    """
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        return None
+    values = dict(zip(_DS_KEYS, (plan.micro_batch, plan.grad_accum, plan.global_batch)))
+    changed = copy.deepcopy(config)
+    for key, value in values.items():
+        if key in changed and changed[key] != "auto":
+            changed[key] = value
+    return changed if changed != config else None
+
+
+def probe_eval_batch(
+    model: torch.nn.Module,
+    make_batch: Callable[[int], Any],
+    backend: MemoryBackend,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_batch: int | None = None,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
+) -> int:
+    """The exact largest evaluation batch: forward passes under ``no_grad`` in eval mode, same search as training."""
+    autocast_dtype = resolve_dtype(dtype)
+
+    def run(batch_size: int) -> Trial:
+        error = None
+        backend.release()
+        resident = list(lent.parameters()) + list(lent.buffers())
+        with backend.track(resident):
+            try:
+                batch = to_device(make_batch(batch_size), backend.device)
+                autocast = (torch.autocast(backend.device.type, dtype=autocast_dtype)
+                            if autocast_dtype is not None else nullcontext())
+                with torch.no_grad(), autocast:
+                    loss_fn(lent, batch)
+                del batch
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                error = str(exc).splitlines()[0][:300]
+                exc.__traceback__ = None
+            peak = backend.peak()
+        backend.release()
+        return Trial(batch_size, error is None, peak.allocated, peak.reserved, peak.reserved, peak.reserved,
+                     resident_bytes=backend.allocated_bytes() if error is None else None, error=error)
+
+    with borrowed_model(model, backend.device) as lent:
+        lent.eval()
+        outcome = search_max(run, backend.capacity(), max_batch=max_batch)
+    return outcome.max_batch
+
+
+def fit_training_args(args: Any, model: torch.nn.Module, **options: Any) -> Any:
+    """New ``TrainingArguments``: probed per-device batches, accumulation for the same global batch.
+
+    Args:
+        args: the ``TrainingArguments`` you would train with (not changed).
+        model: the model (restored bit for bit after probing).
+        sample: one training example (a dict of tensors/lists as the dataset yields it), at the
+            longest length you train on; batches are ``data_collator([sample] * b)``.
+        data_collator: the Trainer's collator; default ``transformers.default_data_collator``.
+        train_dataset: used for batches when no sample is given (its first items, repeated).
+        make_batch: ``make_batch(b)``, instead of the above.
+        target: the global batch; default the one ``args`` already train with.
+        backend, memory: where to probe: default the CUDA device; ``memory="2GiB"`` simulates a
+            budget on the CPU.
+        headroom: memory kept free: the micro batch is at most the probe's ``safe_batch``.
+        max_batch: a cap on the per-device batch.
+        eval_batch: also probe ``per_device_eval_batch_size`` (forward only); else it is set to
+            the training micro batch.
+
+    Returns:
+        A copy of ``args`` with ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+        ``per_device_eval_batch_size`` (and a matching ``deepspeed`` dict when the config had
+        explicit batch values). The plan and probe ride along as ``autobatch_plan`` and
+        ``autobatch_probe`` attributes.
+
+    Example::
+
+        args = fit_training_args(args, model, sample=train_dataset[0])   # on a GPU
+        Trainer(model=model, args=args, train_dataset=train_dataset).train()
+    """
+    changes, plan, result = _planned_changes(args, model, **options)
+    new = dataclasses.replace(args, **changes)
+    new.autobatch_plan, new.autobatch_probe = plan, result
+    return new
+
+
+def _planned_changes(
+    args: Any,
+    model: torch.nn.Module,
+    *,
+    sample: Any = None,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    train_dataset: Any = None,
+    make_batch: Callable[[int], Any] | None = None,
+    target: int | None = None,
+    backend: MemoryBackend | None = None,
+    memory: int | str | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+    max_batch: int | None = None,
+    eval_batch: bool = True,
+) -> tuple[dict[str, Any], Plan, ProbeResult]:
+    """The changed argument values, the plan and the probe (see :func:`fit_training_args`)."""
+    world = args.world_size
+    if target is None:
+        target = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    target = require_positive_int("target", target, fix="pass the global batch, or leave it out to keep args'")
+    make = make_batch or _make_batch(sample, data_collator, train_dataset)
+    cls, kwargs = _transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    checkpointing = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False))
+    workload = Workload(model, make, optimizer=lambda params: cls(params, **kwargs), dtype=dtype,
+                        grad_checkpointing=checkpointing, name=type(model).__name__)
+    backend = backend or make_backend(_device_of(model, args), memory)
+    result = probe_here(workload, backend, max_batch=max_batch, headroom=headroom)
+    plan = plan_for(result, target, world)
+    evaluation = probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch) if eval_batch else plan.micro_batch
+    changes: dict[str, Any] = {
+        "per_device_train_batch_size": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "per_device_eval_batch_size": evaluation,
+    }
+    if args.deepspeed:
+        ds = deepspeed_batch_config(args.deepspeed, plan)
+        if ds is not None:
+            changes["deepspeed"] = ds
+    log_main(log, "autobatch: max batch %d per device (safe %d) in %d trials; # %d per device * %d grad accum * %d "
+             "devices = %d sequences per step; eval batch %d", result.max_batch, result.safe_batch, len(result.trials),
+             plan.micro_batch, plan.grad_accum, world, plan.global_batch, evaluation)
+    return changes, plan, result
+
+
+def _device_of(model: torch.nn.Module, args: Any) -> torch.device:
+    device = next((p.device for p in model.parameters()), None)
+    if device is not None and device.type == "cuda":
+        return device
+    return args.device if args.device.type == "cuda" else torch.device("cpu")
+
+
+class AutoBatchCallback(_transformers.TrainerCallback):
+    """The same, for a ``Trainer`` already built: ``AutoBatchCallback(target=…).attach(trainer)`` before ``train()``.
+
+    The Trainer reads its batch size in ``__init__`` (before any callback event), so the probe runs
+    in :meth:`attach`: it probes ``trainer.model`` with the Trainer's collator and dataset (or
+    ``sample``), gives the Trainer the new arguments (``trainer.args``, its batch size, and the
+    DeepSpeed plugin's config when DeepSpeed is on), and registers the callback, which logs the plan
+    at ``on_train_begin`` and checks that the train dataloader uses it.
+
+    Example::
+
+        trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator)
+        AutoBatchCallback(memory="4MiB").attach(trainer)   # on a GPU: AutoBatchCallback()
+        trainer.train()
+    """
+
+    def __init__(self, target: int | None = None, *, sample: Any = None, **options: Any):
+        self.target, self.sample, self.options = target, sample, options
+        self.plan: Plan | None = None
+        self.result: ProbeResult | None = None
+
+    def attach(self, trainer: Any) -> Any:
+        changes, self.plan, self.result = _planned_changes(
+            trainer.args, trainer.model, sample=self.sample, data_collator=trainer.data_collator,
+            train_dataset=trainer.train_dataset, target=self.target, **self.options,
+        )
+        # In place: the Trainer's accelerator was built with these arguments; a copy would set up
+        # its devices again and reset the accelerator's state under it.
+        changes.pop("deepspeed", None)
+        for key, value in changes.items():
+            setattr(trainer.args, key, value)
+        trainer._train_batch_size = trainer.args.train_batch_size
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+            # The plugin's config holds the old values (its "auto" were filled at init): write the
+            # plan's, then let the Trainer check and fill the rest from the arguments, as it does
+            # after its own auto_find_batch_size.
+            config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
+            config.update(dict(zip(_DS_KEYS, (self.plan.micro_batch, self.plan.grad_accum, self.plan.global_batch))))
+            propagate_args_to_deepspeed(trainer.accelerator, trainer.args)
+        trainer.add_callback(self)
+        return trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any) -> None:
+        if self.plan is None:
+            raise AutobatchError("AutoBatchCallback probes in attach(trainer); call it before trainer.train()")
+        used = getattr(getattr(train_dataloader, "batch_sampler", None), "batch_size", None) or getattr(
+            train_dataloader, "batch_size", None)
+        if used is not None and used != self.plan.micro_batch:
+            raise AutobatchError(
+                f"the Trainer's train dataloader yields batches of {used}, but the plan is {self.plan.micro_batch}; "
+                "attach the callback after building the Trainer and before train()"
+            )
+        if args.gradient_accumulation_steps != self.plan.grad_accum:
+            raise AutobatchError(
+                f"the Trainer accumulates {args.gradient_accumulation_steps} steps, but the plan is {self.plan.grad_accum}"
+            )
+        log_main(log, "autobatch: training with %s", self.plan)

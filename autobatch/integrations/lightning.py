@@ -1,0 +1,179 @@
+"""Lightning: a ``Callback`` that probes the module's own training step at fit start and sets batch and accumulation.
+
+Lightning's ``BatchSizeFinder`` refuses distributed strategies, doubles and bisects by running the
+fit loop itself, lands 5 % under the largest batch it saw fit, and restores the model from a
+checkpoint it writes. :class:`AutoBatch` instead, at ``on_fit_start`` (after the strategy has set
+the model up, before the first batch):
+
+* probes the LightningModule's own ``training_step`` (its real loss) with the optimizer that
+  ``configure_optimizers`` built (a fresh one of the same class and param-group settings, so the
+  trainer's optimizer state is not touched), on every rank in lockstep under DDP;
+* solves micro batch × ``accumulate_grad_batches`` × world size = ``target`` exactly (default:
+  the global batch the trainer was already set up for);
+* sets the ``batch_size`` attribute where Lightning's finder sets it (``lightning_setattr``: the
+  model, its ``hparams``, the datamodule) and ``trainer.accumulate_grad_batches``;
+* logs the plan on rank 0 and keeps it in ``callback.plan`` (and the probe in ``callback.result``).
+
+Weights, buffers, gradients and the RNG come back bit for bit (:func:`autobatch.probing.preserve.borrowed_model`).
+``self.log`` calls inside ``training_step`` are ignored while probing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import AutobatchError
+from ..planning.plan import Plan, require_positive_int
+from ..probing.backends import MemoryBackend
+from ..probing.probe import DEFAULT_HEADROOM, make_backend
+from ..probing.result import ProbeResult
+from ..probing.workload import Workload
+from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
+
+_pl = require("lightning.pytorch", "lightning", "autobatch.integrations.lightning")
+from lightning.pytorch.utilities.parsing import (
+    lightning_getattr,
+    lightning_hasattr,
+    lightning_setattr,
+)
+
+__all__ = ["AutoBatch"]
+
+log = logging.getLogger("autobatch.integrations.lightning")
+
+_DTYPES = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+class _TrainingStep(torch.nn.Module):
+    """The LightningModule's ``training_step`` as a module's forward: what the trials (and DDP) call."""
+
+    def __init__(self, module: Any):
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        out = self.module.training_step(batch, 0)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            raise AutobatchError(
+                f"AutoBatch needs training_step to return the loss (a tensor or a dict with 'loss'), but it returned "
+                f"{type(out).__name__}; return the loss, or pass make_batch=… and probe with autobatch.probe"
+            )
+        return loss
+
+
+def _same_optimizer(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.optim.Optimizer]:
+    """A factory for a fresh optimizer of the same class and param groups (the user's keeps its state)."""
+    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": list(group["params"])}
+              for group in optimizer.param_groups]
+
+    def make(_params: Any) -> torch.optim.Optimizer:
+        return type(optimizer)([dict(group) for group in groups])
+
+    return make
+
+
+class AutoBatch(_pl.Callback):
+    """Probe at fit start, then set the batch size and gradient accumulation for ``target``.
+
+    Args:
+        target: the global batch (per-rank batch × accumulation × ranks); default the one the
+            trainer was set up for (``batch_size × accumulate_grad_batches × world size``).
+        batch_arg_name: the attribute that holds the DataLoader's batch size (as in ``BatchSizeFinder``).
+        backend: this rank's memory backend; default the module's CUDA device, or a simulated
+            ``memory`` budget on the CPU.
+        memory: a simulated budget (``"2GiB"``) for CPU runs and tests.
+        headroom: memory kept free: the plan's micro batch is at most the probe's ``safe_batch``.
+        max_batch: a cap on the per-rank batch.
+        make_batch: ``make_batch(b)`` for the probe; default ``b`` samples of the train
+            dataloader's dataset collated by its ``collate_fn`` (give the longest samples here when
+            lengths vary).
+
+    Example::
+
+        trainer = Trainer(callbacks=[AutoBatch(target=512)], ...)
+        trainer.fit(model, datamodule)        # prints: 128 per GPU × 4 accumulation × 1 GPU … = 512
+    """
+
+    def __init__(
+        self,
+        target: int | None = None,
+        *,
+        batch_arg_name: str = "batch_size",
+        backend: MemoryBackend | None = None,
+        memory: int | str | None = None,
+        headroom: float | int | str = DEFAULT_HEADROOM,
+        max_batch: int | None = None,
+        make_batch: Callable[[int], Any] | None = None,
+    ):
+        if target is not None:
+            require_positive_int("target", target, fix="pass the global batch, or leave it out to keep the trainer's")
+        self.target, self.batch_arg_name, self.backend, self.memory = target, batch_arg_name, backend, memory
+        self.headroom, self.max_batch, self.make_batch = headroom, max_batch, make_batch
+        self.plan: Plan | None = None
+        self.result: ProbeResult | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        if stage not in (None, "fit"):
+            return
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise AutobatchError(
+                f"AutoBatch sets the batch size in {self.batch_arg_name!r}, but neither the model, its hparams nor "
+                "the datamodule has it; add self.batch_size and use it in train_dataloader(), or pass batch_arg_name=…"
+            )
+        if not trainer.fit_loop._data_source.is_module():
+            raise AutobatchError(
+                "AutoBatch sets the batch size where train_dataloader() reads it, but the dataloaders were passed to "
+                "fit() directly; build them in the LightningModule or a LightningDataModule (as BatchSizeFinder requires)"
+            )
+        if not pl_module.automatic_optimization:
+            raise AutobatchError(
+                "AutoBatch probes training_step with automatic optimization, but this module optimizes manually "
+                "(automatic_optimization=False); probe with autobatch.probe and a Workload instead"
+            )
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        world = trainer.world_size
+        current = lightning_getattr(pl_module, self.batch_arg_name)
+        target = self.target or int(current) * trainer.accumulate_grad_batches * world
+        if not trainer.optimizers:
+            raise AutobatchError("AutoBatch needs configure_optimizers to return an optimizer, but there is none")
+        loader = None if self.make_batch else _train_dataloader(trainer)
+        make_batch = self.make_batch or batches_from_dataset(loader.dataset, loader.collate_fn)
+        workload = Workload(
+            _TrainingStep(pl_module), make_batch, loss_fn=lambda step, batch: step(batch),
+            optimizer=_same_optimizer(trainer.optimizers[0]),
+            dtype=_DTYPES.get(str(trainer.precision)), name=type(pl_module).__name__,
+        )
+        backend = self.backend or make_backend(pl_module.device, self.memory)
+        quiet = {"log": lambda *a, **k: None, "log_dict": lambda *a, **k: None}
+        pl_module.__dict__.update(quiet)  # self.log needs the fit loop's results, which do not exist yet
+        try:
+            self.result = probe_here(workload, backend, max_batch=self.max_batch, headroom=self.headroom)
+        finally:
+            for name in quiet:
+                pl_module.__dict__.pop(name, None)
+        self.plan = plan_for(self.result, target, world)
+        lightning_setattr(pl_module, self.batch_arg_name, self.plan.micro_batch)
+        trainer.accumulate_grad_batches = self.plan.grad_accum
+        trainer.fit_loop._combined_loader = None  # a loader built before now had the old batch size
+        log_main(log, "AutoBatch: max batch %d per rank (safe %d) in %d trials; %s = %d; %s=%d, accumulate_grad_batches=%d",
+                 self.result.max_batch, self.result.safe_batch, len(self.result.trials),
+                 f"{self.plan.micro_batch} batch size * {self.plan.grad_accum} accumulate_grad_batches * {world} ranks",
+                 self.plan.global_batch, self.batch_arg_name, self.plan.micro_batch, self.plan.grad_accum)
+
+
+def _train_dataloader(trainer: Any) -> Any:
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        raise AutobatchError(
+            "AutoBatch builds probe batches from the train dataloader, but fit() got none; pass a datamodule or "
+            "train_dataloaders, or make_batch=…"
+        )
+    return _request_dataloader(source)

@@ -1,0 +1,134 @@
+"""autobatch's drop-in for accelerate's ``find_executable_batch_size``, in accelerate's own test pattern.
+
+accelerate tests its decorator with a function that raises a fake out-of-memory error above some
+batch and asserts the exact sequence of batch sizes tried; so do these, side by side with
+accelerate's decorator on the same function (its sequence is the ×0.9 walk).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from autobatch import SimulatedBackend
+from autobatch.errors import AutobatchError
+
+accelerate = pytest.importorskip("accelerate", reason="needs the accelerate extra: pip install 'autobatch[accelerate]'")
+from accelerate.utils import find_executable_batch_size as accelerate_find
+
+from autobatch.integrations.accelerate import find_executable_batch_size
+
+LIMIT = 37  # the largest batch the fake device holds
+
+
+def raise_fake_out_of_memory() -> None:
+    raise RuntimeError("CUDA out of memory.")  # accelerate's test helper raises exactly this
+
+
+def training_function(batch_size: int, log: list[int] | None = None) -> int:
+    """Three optimizer steps of a tiny model; out of memory above LIMIT, in the first forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        if batch_size > LIMIT:
+            raise_fake_out_of_memory()
+        model(torch.randn(batch_size, 4)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if log is not None:
+        log.append(batch_size)
+    return batch_size
+
+
+def test_finds_the_exact_max_where_accelerate_walks_down_by_ten_percent(monkeypatch) -> None:
+    # accelerate collects garbage before every call (a second each in a process this size); no cache on the CPU.
+    monkeypatch.setattr("accelerate.utils.memory.clear_device_cache", lambda garbage_collection=False: None)
+    tried: list[int] = []
+
+    @accelerate_find(starting_batch_size=128)
+    def theirs(batch_size: int) -> int:
+        tried.append(batch_size)
+        return training_function(batch_size)
+
+    assert theirs() == 36  # 10 % steps jump over 37
+    assert tried == [128, 115, 103, 92, 82, 73, 65, 58, 52, 46, 41, 36]
+
+    completed: list[int] = []
+    ours = find_executable_batch_size(starting_batch_size=128)(training_function)
+    assert ours(completed) == LIMIT
+    # 128 fails; 2-step trials (no memory figures on the CPU: doubling, then bisection) find 37
+    # exactly; then the one full run at 37.
+    assert ours.batch_sizes == [128, 1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37, 37]
+    assert completed == [37]  # trials stop after their 2nd optimizer step: only the real run completed
+    assert [t.fits for t in ours.trials][-2:] == [False, True]
+
+
+def test_a_starting_batch_that_fits_runs_once_like_accelerate() -> None:
+    ours = find_executable_batch_size(starting_batch_size=16)(training_function)
+    assert ours() == 16
+    assert ours.batch_sizes == [16]
+
+
+def mlp_training(batch_size: int, backend: SimulatedBackend | None = None) -> int:
+    """Three AdamW steps of an MLP; under ``backend``'s budget when given (accelerate's decorator knows none)."""
+    with backend.track([]) if backend is not None else nullcontext():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        optimizer = torch.optim.AdamW(model.parameters())
+        for _ in range(3):
+            x, y = torch.randn(batch_size, 64), torch.randint(0, 10, (batch_size,))
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return batch_size
+
+
+def test_with_memory_figures_the_search_takes_a_few_trials(monkeypatch) -> None:
+    monkeypatch.setattr("accelerate.utils.memory.clear_device_cache", lambda garbage_collection=False: None)
+    backend = SimulatedBackend("2MiB")
+    tried: list[int] = []
+
+    @accelerate_find(starting_batch_size=4096)
+    def theirs(batch_size: int) -> int:
+        tried.append(batch_size)
+        return mlp_training(batch_size, backend)
+
+    assert theirs() == 549 and len(tried) == 20  # 19 runs out of memory, then 7 under the max
+
+    train = find_executable_batch_size(starting_batch_size=4096, backend=backend)(mlp_training)
+    best = train()
+    fits = {t.batch: t.fits for t in train.trials}
+    assert best == 556 and fits[best] and not fits[best + 1]  # exact: the next batch ran out of memory
+    # 4096 fails; 9 two-step trials with per-phase peaks find 556; then the real run at 556.
+    assert train.batch_sizes == [4096, 1, 6, 147, 346, 708, 532, 580, 556, 557, 556]
+
+
+def test_target_sets_the_accelerators_gradient_accumulation() -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+
+    @find_executable_batch_size(starting_batch_size=128, target=120, accelerator=accelerator)
+    def train(batch_size: int) -> int:
+        return training_function(batch_size)
+
+    # 37 fits; the largest micro batch ≤ 37 that divides 120 is 30: 30 × 4 accumulation × 1 process.
+    assert train() == 30
+    assert accelerator.gradient_accumulation_steps == 4
+    assert str(train.plan).endswith("= 120")
+
+
+def test_other_errors_pass_through_and_the_batch_size_is_not_passed_twice() -> None:
+    @find_executable_batch_size(starting_batch_size=8)
+    def broken(batch_size: int) -> None:
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError, match="not memory"):
+        broken()
+    with pytest.raises(TypeError, match="Batch size was passed into `training_function`"):
+        find_executable_batch_size(training_function, starting_batch_size=8)(8, None)
+    with pytest.raises(AutobatchError, match="starting_batch_size must be a positive integer"):
+        find_executable_batch_size(training_function, starting_batch_size=0)

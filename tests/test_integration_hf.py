@@ -1,0 +1,102 @@
+"""HF Trainer: fit_training_args probes a tiny GPT-2 (built from a config) on a simulated budget and returns
+arguments a real ``Trainer.train()`` then trains with; the callback form does the same on a built Trainer."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'autobatch[hf]'")
+
+from autobatch.errors import AutobatchError
+from autobatch.integrations.hf import (
+    AutoBatchCallback,
+    deepspeed_batch_config,
+    fit_training_args,
+)
+from autobatch.planning.plan import Plan
+
+SEQ = 32
+MAX, TRIALS = 13, [1, 4, 12, 13, 14]  # the probe on 3 MiB: exact, 14 ran out of memory
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(vocab_size=128, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2,
+                                    bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n: int = 512):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 128, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def arguments(tmp_path, **overrides) -> transformers.TrainingArguments:
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                    per_device_eval_batch_size=8, max_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no",
+                    use_cpu=True, disable_tqdm=True, optim="adamw_torch")
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def recording_collator(seen: list[int]):
+    def collate(features):
+        seen.append(len(features))
+        return transformers.default_data_collator(features)
+    return collate
+
+
+def test_returned_arguments_keep_the_global_batch_and_train(gpt2, tmp_path, caplog) -> None:
+    args = arguments(tmp_path)
+    before = {k: v.clone() for k, v in gpt2.state_dict().items()}
+    with caplog.at_level(logging.INFO, logger="autobatch.integrations.hf"):
+        new = fit_training_args(args, gpt2, sample=Rows()[0], memory="3MiB", headroom=0)
+    assert all(torch.equal(before[k], v) for k, v in gpt2.state_dict().items())  # probing changed nothing
+    assert args.per_device_train_batch_size == 32  # the arguments passed in are untouched
+    result = new.autobatch_probe
+    assert result.max_batch == MAX and [t.batch for t in result.trials] == TRIALS
+    micro, accum = new.per_device_train_batch_size, new.gradient_accumulation_steps
+    assert micro * accum * new.world_size == 32 and micro <= result.max_batch < 2 * micro
+    assert new.per_device_eval_batch_size > result.max_batch  # forward only, no gradients or optimizer state
+    assert f"# {micro} per device * {accum} grad accum * 1 devices = 32 sequences per step" in caplog.text
+    seen: list[int] = []
+    trainer = transformers.Trainer(model=gpt2, args=new, train_dataset=Rows(), data_collator=recording_collator(seen))
+    out = trainer.train()
+    assert out.global_step == 1 and set(seen) == {micro} and len(seen) >= accum  # (+1 batch fetched ahead)
+
+
+def test_the_callback_form_sets_a_built_trainer(gpt2, tmp_path) -> None:
+    seen: list[int] = []
+    trainer = transformers.Trainer(model=gpt2, args=arguments(tmp_path), train_dataset=Rows(),
+                                   data_collator=recording_collator(seen))
+    callback = AutoBatchCallback(target=24, memory="3MiB", headroom=0, eval_batch=False).attach(trainer).callback_handler
+    plan = next(c for c in callback.callbacks if isinstance(c, AutoBatchCallback)).plan
+    seen.clear()  # the probe's batches went through the collator too
+    out = trainer.train()
+    assert plan.global_batch == 24 and trainer.args.per_device_eval_batch_size == plan.micro_batch
+    assert out.global_step == 1 and set(seen) == {plan.micro_batch} and len(seen) >= plan.grad_accum
+
+
+def test_deepspeed_explicit_values_follow_the_plan_and_auto_stays() -> None:
+    config = {"train_micro_batch_size_per_gpu": 64, "gradient_accumulation_steps": "auto", "train_batch_size": 64,
+              "zero_optimization": {"stage": 3}}
+    changed = deepspeed_batch_config(config, Plan(16, 4))
+    assert changed == {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": "auto",
+                       "train_batch_size": 64, "zero_optimization": {"stage": 3}}
+    assert config["train_micro_batch_size_per_gpu"] == 64  # a copy; the user's config is untouched
+    assert deepspeed_batch_config({"gradient_accumulation_steps": "auto"}, Plan(16, 4)) is None
+
+
+def test_needs_something_to_build_batches_from(gpt2, tmp_path) -> None:
+    with pytest.raises(AutobatchError, match="needs a sample"):
+        fit_training_args(arguments(tmp_path), gpt2, memory="3MiB")

@@ -1,0 +1,151 @@
+"""Lightning: AutoBatch probes the module's own training_step at fit start; a real Trainer.fit then trains
+with the planned batch size and accumulation. CPU, a simulated memory budget for the probe."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra: pip install 'autobatch[lightning]'")
+
+from autobatch.errors import AutobatchError  # noqa: E402
+from autobatch.integrations.lightning import AutoBatch  # noqa: E402
+
+# Two processes that each import torch and Lightning: ~20 s alone, over a minute on a shared CPU.
+DDP_REASON = "two-process gloo DDP run; set AUTOBATCH_SLOW_TESTS=1 to include it"
+SLOW = not os.environ.get("AUTOBATCH_SLOW_TESTS")
+
+
+class Data(pl.LightningDataModule):
+    def __init__(self, batch_size: int = 4):
+        super().__init__()
+        self.batch_size = batch_size
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(512, 32, generator=g), torch.randint(0, 4, (512,), generator=g)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=self.batch_size)
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss)  # ignored while probing, logged while training
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx):  # the fit loop's batches, not the probe's
+        self.seen.append(len(batch[0]))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+class Snapshot(pl.Callback):
+    """Weights and optimizer state at fit start, around AutoBatch's probe."""
+
+    def __init__(self):
+        self.states = []
+
+    def on_fit_start(self, trainer, pl_module):
+        self.states.append(({k: v.clone() for k, v in pl_module.state_dict().items()},
+                            repr(trainer.optimizers[0].state_dict())))
+
+
+def fit(callback: AutoBatch, model: Net, data: Data, **trainer_args) -> pl.Trainer:
+    before, after = Snapshot(), Snapshot()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[before, callback, after], **trainer_args)
+    trainer.fit(model, datamodule=data)
+    (w0, o0), (w1, o1) = before.states[0], after.states[0]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0) and o0 == o1  # the probe changed nothing
+    return trainer
+
+
+def test_fit_trains_with_the_planned_batch_and_accumulation(caplog) -> None:
+    model, data = Net(), Data(batch_size=4)
+    callback = AutoBatch(target=256, memory="240KiB", headroom=0)
+    with caplog.at_level(logging.INFO, logger="autobatch.integrations.lightning"):
+        trainer = fit(callback, model, data)
+    plan, result = callback.plan, callback.result
+    assert result.max_batch == 111 and [t.batch for t in result.trials] == [1, 4, 52, 89, 129, 109, 113, 111, 112]  # exact: 112 ran out
+    assert (plan.micro_batch, plan.grad_accum) == (64, 4)  # the largest divisor of 256 within 111
+    assert data.batch_size == 64 and trainer.accumulate_grad_batches == 4
+    assert model.seen == [64] * 12 and trainer.global_step == 3  # 3 optimizer steps of 4 batches of 64
+    assert "64 batch size * 4 accumulate_grad_batches * 1 ranks = 256" in caplog.text
+
+
+def test_without_a_target_the_trainers_global_batch_is_kept() -> None:
+    model, data = Net(), Data(batch_size=32)
+    callback = AutoBatch(memory="160KiB", headroom=0)
+    trainer = fit(callback, model, data, accumulate_grad_batches=3)  # 32 × 3 = 96
+    assert (data.batch_size, trainer.accumulate_grad_batches) == (48, 2)
+    assert model.seen == [48] * 6
+
+
+def test_refuses_what_it_cannot_set() -> None:
+    class NoBatchSize(Net):
+        def train_dataloader(self):
+            return Data().train_dataloader()
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                         callbacks=[AutoBatch(memory="1MiB")])
+    with pytest.raises(AutobatchError, match="neither the model, its hparams nor the datamodule has it"):
+        trainer.fit(NoBatchSize())
+    with pytest.raises(AutobatchError, match="target must be a positive integer"):
+        AutoBatch(target=0)
+
+
+def _ddp_fit(budgets: tuple[str, str]) -> list:
+    """One rank of two under Lightning's ddp strategy (inside spawn_local's gloo group); a smaller budget on rank 1."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, data = Net(), Data(batch_size=4)
+    callback = AutoBatch(target=256, memory=budgets[rank], headroom=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])
+    trainer.fit(model, datamodule=data)
+    mine = (callback.result.max_batch, [(t.batch, t.fits) for t in callback.result.trials], callback.plan.micro_batch,
+            callback.plan.grad_accum, model.seen, trainer.global_step)
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.skipif(SLOW, reason=DDP_REASON)
+def test_ddp_ranks_agree_on_the_smaller_device() -> None:
+    from autobatch.distributed import spawn_local
+
+    ranks = spawn_local(_ddp_fit, (("1MiB", "240KiB"),), nprocs=2, backend="gloo", timeout_s=60)
+    assert ranks[0] == ranks[1]
+    max_batch, trials, micro, accumulation, seen, steps = ranks[0]
+    # rank 1's 240 KiB (plus DDP's gradient buckets) limits both: exact at 100 (101 ran out of memory
+    # there); 64 per rank × 2 accumulation × 2 ranks = 256
+    assert max_batch == 100 and (100, True) in trials and (101, False) in trials
+    assert (micro, accumulation, steps) == (64, 2, 2) and seen == [64] * 4
+
+
+@pytest.mark.skipif(SLOW, reason="13 Lightning fit loops (half a minute on a shared CPU) for the docs' comparison "
+                    "table; set AUTOBATCH_SLOW_TESTS=1 to include it")
+def test_lightnings_own_finder_on_the_same_model_and_budget() -> None:
+    """The figures docs/integrations.md puts beside AutoBatch's (9 trials, exact 111 above)."""
+    tools = pytest.importorskip("benchmarks.tools")
+    from autobatch import Workload
+
+    work = Workload(lambda: torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)),
+                    lambda b: (torch.randn(b, 32), torch.randint(0, 4, (b,))),
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
+    run = tools.run_lightning(work, "240KiB", "binsearch")
+    assert [b for b, _ in run.tried] == [2, 4, 8, 16, 32, 64, 128, 96, 112, 120, 116, 114, 113]
+    assert (run.returned, run.trials, run.steps) == (106, 13, 29)  # 5 % under the 112 it saw train

@@ -69,6 +69,8 @@ def _bad_value(exc: Any, argv: Sequence[str]) -> str | None:
     if typed is None:
         return None
     flag = next((o for o in param.opts if o in " ".join(argv)), param.opts[0])
+    if typed.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        return f"{flag} must be a finite number, but got {typed!r}"
     for pattern, rule in _RULES:
         match = pattern.search(exc.message)
         if match:

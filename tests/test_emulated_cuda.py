@@ -137,3 +137,16 @@ def test_weights_that_do_not_fit_are_no_batch_fits_and_the_model_is_untouched(mo
             probe(work, CudaBackend())
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
         assert torch.cuda.memory_allocated() == 0
+
+
+@pytest.mark.parametrize("total_gib", [8, 80, 141])
+def test_the_backend_suites_failing_batch_cannot_fit_on_a_card_of_any_size(monkeypatch, total_gib):
+    # The suite used batch 10**6 (its inputs ~0.25 GB, its trial ~4 GiB), which fits on a large GPU;
+    # the batch it uses now is derived from the capacity, so its inputs alone exceed it.
+    from tests.backend_suite import failing_batch
+
+    with emulated([EmulatedGpu(0, total_bytes=total_gib << 30)], patch=monkeypatch):
+        backend = make_backend("cuda:0")
+        batch = failing_batch(backend)
+        assert batch * 64 * 4 > backend.capacity()
+        assert 10**6 * 64 * 4 < backend.capacity()  # what the old fixed batch asked for fits

@@ -6,6 +6,16 @@ again when the storage dies. Views share their base's storage and count once. Th
 live tensor memory and its peak, which the simulated backend compares with a budget and the
 estimator runs under fake tensors (shapes only, no real memory).
 
+Sharded training needs two more things, both handled here:
+
+* wrapper subclasses (``DTensor``, which FSDP2 makes every parameter) hold their data in inner
+  tensors; the wrapper's own storage reports the *global* size. The tracker counts the inner
+  (local) tensors instead, so a parameter sharded over W ranks costs its shard, as on a GPU;
+* FSDP frees and re-allocates the gathered parameters with ``UntypedStorage.resize_``, which on
+  the CPU is no aten op and never reaches a dispatch mode. While the tracker is entered,
+  ``resize_`` is wrapped so each resize is counted (and checked against the budget) like an
+  allocation; the original method is restored on exit.
+
 What it cannot see: memory a kernel allocates for itself (workspaces). Allocator rounding and
 caching it sees only when given a :class:`~autobatch.probing.backends.caching_allocator.CachingAllocator`
 to book each storage in.
@@ -19,7 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryTracker"]
@@ -51,6 +61,7 @@ class MemoryTracker(TorchDispatchMode):
         self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (token, nbytes)
         self._blocks: dict[int, Any] = {}  # token -> the allocator's block
         self._tokens = itertools.count()
+        self._resize_saved: list[Any] = []  # UntypedStorage.resize_ as it was, per nested entry
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that exist already (the model's parameters) as resident on the device."""
@@ -59,6 +70,29 @@ class MemoryTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
+
+    def __enter__(self) -> MemoryTracker:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            tracker._account(storage, check_budget=True)
+            return out
+
+        self._resize_saved.append(original)
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        try:
+            return super().__enter__()
+        except BaseException:
+            torch.UntypedStorage.resize_ = self._resize_saved.pop()  # type: ignore[method-assign]
+            raise
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            torch.UntypedStorage.resize_ = self._resize_saved.pop()  # type: ignore[method-assign]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -69,10 +103,21 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _register(self, tensor: torch.Tensor, *, check_budget: bool) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            # The wrapper's storage is a placeholder of the global size; the data is in the inner tensors.
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._register(inner, check_budget=check_budget)
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
             return
+        self._account(storage, check_budget=check_budget)
+
+    def _account(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
         key, nbytes = id(storage), storage.nbytes()
         known = self._live.get(key)
         if known is not None:

@@ -53,6 +53,9 @@ class MemoryBackend(ABC):
     * ``reset_peak()`` restarts the peak statistics from what is live now; ``peak()`` returns
       the :class:`Peak` reached since, also after an out-of-memory error (the trial reads it per
       phase: forward and backward apart from the optimizer step).
+    * ``track_deferred(resident)`` is ``track`` for sharded trials: where the backend can (the
+      simulated budget), running out of memory does not raise inside it, and the caller compares
+      ``peak()`` with ``capacity()`` at the step's end; a real device raises as in ``track``.
     * ``allocated_bytes()`` is the tensor memory live on the device now.
     * ``release()`` gives cached memory back after a trial; once the trial's tensors are
       unreferenced, ``allocated_bytes()`` is back at the baseline before the trial.
@@ -84,6 +87,17 @@ class MemoryBackend(ABC):
 
     @abstractmethod
     def allocated_bytes(self) -> int: ...
+
+    @contextmanager
+    def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        """:meth:`track`, but where the backend can, running out of memory does not raise inside it.
+
+        Sharded trials use it: a rank that stops mid-step leaves the others in a collective, so
+        they finish the step and compare :meth:`peak` with :meth:`capacity` at its end. A real
+        device cannot defer its allocator's errors; the default is :meth:`track`.
+        """
+        with self.track(resident):
+            yield
 
     def release(self) -> None:
         """Default: nothing cached."""

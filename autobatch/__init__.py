@@ -28,6 +28,7 @@ from .configs import (
 from .distributed.launch import is_launched, process_group, rank_env, spawn_local
 from .distributed.lockstep import probe_distributed
 from .distributed.result import DistributedProbeResult
+from .distributed.simulated_world import probe_sharded
 from .errors import (
     AutobatchError,
     ConfigError,
@@ -56,6 +57,7 @@ from .probing.trial import Trial, run_trial
 from .probing.workload import Workload, default_loss
 from .tuning.cache import cached_probe
 from .tuning.tune import TuneResult, tune
+from .strategy import STRATEGIES, Strategy, parse_strategy
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -129,6 +131,11 @@ __all__ = [
     "spawn_local",
     "DistributedProbeResult",
     "probe_distributed",
+    # sharded training: DDP, FSDP, ZeRO on W ranks
+    "STRATEGIES",
+    "Strategy",
+    "parse_strategy",
+    "probe_sharded",
     # without a GPU
     "GPUS",
     "GpuSpec",

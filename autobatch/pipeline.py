@@ -16,6 +16,7 @@ from .probing.backends import MemoryBackend
 from .probing.probe import DEFAULT_HEADROOM, ProbeResult, for_data_parallel, make_backend
 from .probing.trial import Trial
 from .probing.workload import Workload, default_loss
+from .strategy import Strategy, parse_strategy
 
 __all__ = ["Finding", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "local_gpu_count"]
 
@@ -28,6 +29,12 @@ class Finding:
     plan: Plan
     cached: bool = False
     ranks_report: str | None = None  # the per-rank table when every rank probed its own device
+    strategy: Strategy | None = None  # how the model was wrapped for the trials (None: bare, or DDP under a launcher)
+
+    @property
+    def probed_zero(self) -> dict[str, Any] | None:
+        """The ``zero_optimization`` values a ZeRO probe ran with (for the DeepSpeed file)."""
+        return (self.probe.extra.get("sharding") or {}).get("deepspeed_zero_optimization")
 
     def to_dict(self) -> dict[str, Any]:
         """One value per figure: ``max_batch``/``safe_batch`` are the probe's, the plan's own
@@ -106,25 +113,44 @@ def find_plan(
     on_trial: Callable[[Trial], None] | None = None,
     use_cache: bool = False,
     cache_root: Path | None = None,
+    strategy: Strategy | str | None = None,
+    deepspeed_config: dict[str, Any] | None = None,
 ) -> Finding:
     """Probe ``workload`` on ``backend`` and solve for ``target`` with the safe batch as the limit.
 
     ``gpus_per_node`` defaults to the GPUs visible here (1 on a CPU-only machine). With
     ``use_cache`` a probe already made for the same fingerprint is read from disk
     (:mod:`autobatch.cache`) instead of run again.
+
+    With a ``strategy`` (``"ddp"``, ``"fsdp2"``, ``"fsdp1"``, ``"zero1"``, ``"zero2"``, ``"zero3"``)
+    the trials train the model wrapped as that strategy will, as rank 0 of the data-parallel
+    world (``gpus_per_node × nodes / model_parallel`` ranks) on torch's fake process group
+    (:func:`autobatch.distributed.simulated_world.probe_sharded`): the answer is per rank, for
+    that many GPUs, from one device. Such probes are not cached. ``deepspeed_config`` is the
+    user's DeepSpeed file, whose bucket sizes a ZeRO probe uses.
     """
     from .tuning.cache import cached_probe
 
     backend = backend if backend is not None else make_backend()
-    result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro, headroom=headroom,
-                                  on_trial=on_trial, use_cache=use_cache, root=cache_root)
     if gpus_per_node is None:
         gpus_per_node = max(1, local_gpu_count()) if backend.device.type == "cuda" else 1
-    result = for_data_parallel(result, gpus_per_node * nodes // max(1, model_parallel))
+    chosen = parse_strategy(strategy) if strategy is not None else None
+    if chosen is not None:
+        from .distributed.simulated_world import probe_sharded
+
+        world = max(1, gpus_per_node * nodes // model_parallel)
+        result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
+                               headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial)
+        cached = False
+    else:
+        result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro,
+                                      headroom=headroom, on_trial=on_trial, use_cache=use_cache, root=cache_root)
+        # an unwrapped probe on one device: DDP's buckets are taken off for several ranks
+        result = for_data_parallel(result, gpus_per_node * nodes // max(1, model_parallel))
     plan = plan_from_probe(result, target=target, gpus_per_node=gpus_per_node, nodes=nodes,
                            model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
                            base_batch=base_batch)
-    return Finding(result, plan, cached=cached)
+    return Finding(result, plan, cached=cached, strategy=chosen)
 
 
 def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], options: dict[str, Any],
@@ -164,7 +190,8 @@ def find(
         target: the global batch per optimizer step; default the safe batch on every GPU.
         loss_fn, optimizer, dtype, grad_checkpointing: as in :class:`~autobatch.Workload`.
         device, memory: ``"cuda"`` (default when available) or ``"cpu"`` with a simulated ``memory``.
-        options: passed to :func:`find_plan` (``gpus_per_node``, ``nodes``, ``headroom``, …).
+        options: passed to :func:`find_plan` (``gpus_per_node``, ``nodes``, ``headroom``,
+            ``strategy`` — e.g. ``strategy="zero3", gpus_per_node=8`` probes one rank of eight under ZeRO-3 …).
 
     Example:
         >>> import torch, autobatch

@@ -15,11 +15,12 @@ PACKAGE = ROOT / "autobatch"
 DOC = (ROOT / "docs" / "architecture.md").read_text()
 
 # Which top-level parts each part may import (itself always). Lower stages never import higher ones.
-FOUNDATION = {"errors", "units", "modelinfo"}
+FOUNDATION = {"errors", "units", "modelinfo", "strategy"}
 ALLOWED = {
     "errors": set(),
     "units": {"errors"},
     "modelinfo": {"errors"},
+    "strategy": {"errors"},
     "probing": FOUNDATION,
     "planning": FOUNDATION,
     "guard": FOUNDATION | {"probing", "checking"},

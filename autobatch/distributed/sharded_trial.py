@@ -1,0 +1,165 @@
+"""One sharded trial: wrap a fresh copy of the model for the strategy, train, decide at the step's end.
+
+A rank that runs out of memory in the middle of a sharded step leaves the others waiting in a
+collective, and FSDP does not reshard cleanly after it. So each trial builds its own wrapped
+copy (a failed trial leaves nothing behind for the next), runs ``workload.steps`` full steps
+with the budget deferred where the backend can defer it (the simulated budget), and decides
+fit or fail from the measured peak once the steps are done. The ranks then agree on the
+outcome (:mod:`autobatch.distributed.lockstep`), or, on the fake group, the one rank speaks for all.
+
+Besides the :class:`~autobatch.probing.trial.Trial`, a trial reports where this rank's memory
+went (:class:`MemoryBreakdown`), measured in the last step: parameters, the wrapper's own
+buffers (DDP's gradient buckets, DeepSpeed's flat and bucket buffers), optimizer state,
+gradients, and what a forward and backward add on top (activations and gathered units).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+import traceback
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..errors import AutobatchError
+from ..probing.backends import MemoryBackend
+from ..probing.oom import is_oom_error
+from ..probing.trial import Trial, to_device
+from ..probing.workload import Workload, resolve_dtype
+from ..strategy import Strategy
+from .sharding import Wrapped, local_bytes, wrap_model
+
+__all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial"]
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Where one rank's memory goes in a step, in bytes (measured, not assumed)."""
+
+    parameters: int         # this rank's parameters (its shard when they are sharded)
+    buffers: int            # what wrapping added besides them: buckets, flat copies, gather buffers
+    optimizer_state: int    # what stays after the first optimizer step
+    gradients: int          # what backward leaves until the step
+    activations: int        # a forward and backward's peak on top: activations, gathered units
+    peak: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ShardedTrial:
+    trial: Trial
+    breakdown: MemoryBreakdown | None
+    config: dict[str, Any]
+
+
+def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn.Module:
+    model = copy.deepcopy(template)
+    for p in model.parameters():
+        p.grad = None
+    model.train()
+    if grad_checkpointing:
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if enable is None:
+            raise AutobatchError(
+                f"gradient checkpointing needs a model with gradient_checkpointing_enable(), but "
+                f"{type(model).__name__} has none; enable checkpointing inside your model instead")
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.device) -> None:
+    batch = to_device(workload.make_batch(batch_size), device)
+    dtype = resolve_dtype(workload.dtype)
+    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
+    with autocast:
+        loss = workload.loss_fn(wrapped.module, batch)
+    wrapped.backward(loss)
+
+
+def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,
+                      batch_size: int, *, deepspeed_config: dict[str, Any] | None = None) -> ShardedTrial:
+    """Train a wrapped copy of ``template`` for ``workload.steps`` steps at ``batch_size``; fit if the peak fits.
+
+    The copy is made on the CPU and wrapped onto ``backend.device`` inside the backend's tracking,
+    so only what this rank holds after wrapping counts. Out-of-memory errors the backend cannot
+    defer (a real GPU) make a failed trial; any other exception propagates untouched.
+    """
+    capacity = backend.capacity()
+    backend.release()
+    with torch.random.fork_rng(devices=[backend.device.index or 0] if backend.device.type == "cuda" else []):
+        model = _copy_model(template, workload.grad_checkpointing)
+        wrapped: Wrapped | None = None
+        error = config = None
+        figures: dict[str, int] = {}
+        peak = {"allocated": 0, "reserved": 0, "forward_backward": 0, "optimizer": 0}
+        times: list[float] = []
+        resident_bytes = None
+
+        def read(phase: str) -> int:
+            now = backend.peak()
+            peak["allocated"] = max(peak["allocated"], now.allocated)
+            peak["reserved"] = max(peak["reserved"], now.reserved)
+            peak[phase] = max(peak[phase], now.reserved)
+            backend.reset_peak()
+            return now.reserved
+
+        try:
+            with backend.track_deferred(()):
+                before = backend.allocated_bytes()
+                wrapped = wrap_model(model, strategy, workload, backend.device, batch=batch_size,
+                                     deepspeed_config=deepspeed_config)
+                config = wrapped.config
+                del model
+            params = list(wrapped.module.parameters())
+            figures["parameters"] = local_bytes(params)
+            with backend.track_deferred(params + list(wrapped.module.buffers())):
+                wrapped_bytes = backend.allocated_bytes() - before
+                figures["buffers"] = max(0, wrapped_bytes - figures["parameters"])
+                phase = "forward_backward"
+                for _ in range(workload.steps):
+                    backend.synchronize()
+                    start = time.perf_counter()
+                    phase = "forward_backward"
+                    ahead = backend.allocated_bytes()
+                    figures["optimizer_state"] = max(0, ahead - before - wrapped_bytes)
+                    _step(workload, wrapped, batch_size, backend.device)
+                    figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
+                    figures["activations"] = max(0, read(phase) - ahead)
+                    phase = "optimizer"
+                    wrapped.step()
+                    read(phase)
+                    times.append(time.perf_counter() - start)
+                resident_bytes = backend.allocated_bytes()
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            error = str(exc).splitlines()[0][:300]
+            traceback.clear_frames(exc.__traceback__)
+            read(phase if wrapped is not None else "forward_backward")
+        finally:
+            if wrapped is not None:
+                wrapped.close()
+            wrapped = None
+            gc.collect()
+        backend.release()
+    if error is None and peak["reserved"] > capacity:
+        error = (f"out of memory at the step's end: peak {peak['reserved']} bytes over the capacity of "
+                 f"{capacity} bytes")
+    fits = error is None
+    trial = Trial(
+        batch=batch_size, fits=fits, peak_bytes=peak["allocated"], reserved_bytes=peak["reserved"],
+        forward_backward_bytes=peak["forward_backward"], optimizer_bytes=peak["optimizer"],
+        resident_bytes=resident_bytes if fits else None,
+        seconds_per_step=(sorted(times[1:])[len(times[1:]) // 2] if fits and len(times) > 1 else None),
+        error=error,
+    )
+    breakdown = None
+    if len(figures) == 5:
+        breakdown = MemoryBreakdown(peak=peak["reserved"], **figures)
+    return ShardedTrial(trial, breakdown, config or {})

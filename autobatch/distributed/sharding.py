@@ -1,0 +1,174 @@
+"""Wrap a model the way a strategy trains it: DDP, FSDP2 (``fully_shard``), FSDP1, or DeepSpeed ZeRO.
+
+:func:`wrap_model` takes a private copy of the model (the probe never wraps the user's own
+module) inside an initialized process group — a real one under a launcher, or the fake group of
+:mod:`~autobatch.distributed.fake_group` for one rank of a simulated world — and returns a
+:class:`Wrapped`: the module to call, how to run backward and the optimizer step, and a
+``close()`` that drops everything. FSDP wraps one unit per transformer block plus the root, as
+HF Trainer and accelerate do; DeepSpeed goes through :mod:`~autobatch.distributed.zero`.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AutobatchError
+from ..probing.workload import Workload, make_optimizer
+from ..strategy import Strategy
+
+__all__ = ["Wrapped", "wrap_model", "fsdp_units", "local_tensor", "local_bytes"]
+
+
+@dataclass
+class Wrapped:
+    """A model wrapped for training under a strategy, and its optimizer."""
+
+    module: torch.nn.Module
+    optimizer: Any
+    backward: Callable[[torch.Tensor], None]
+    step: Callable[[], None]
+    config: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's config, buckets included
+    units: int = 0                                          # FSDP units besides the root
+    _keep: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Drop the wrapper, its optimizer and its buffers (collected now, while the group lives)."""
+        for item in self._keep:
+            destroy = getattr(item, "destroy", None)
+            if callable(destroy):
+                destroy()
+        self._keep.clear()
+        self.module = self.optimizer = None  # type: ignore[assignment]
+        self.backward = self.step = None  # type: ignore[assignment]
+        gc.collect()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this rank holds: a DTensor's local shard, ZeRO-3's partition, else itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    partition = getattr(tensor, "ds_tensor", None)
+    if isinstance(partition, torch.Tensor):
+        return partition
+    return tensor
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind the local parts of ``tensors`` (views count once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        storage = local_tensor(tensor).untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def fsdp_units(model: torch.nn.Module, unit: str | None = None) -> list[torch.nn.Module]:
+    """The modules FSDP wraps one by one: ``unit``'s class, else the transformer block.
+
+    The block is what HF models name in ``_no_split_modules`` (``GPT2Block``,
+    ``LlamaDecoderLayer``); for other models, the items of the largest ``ModuleList`` or
+    ``Sequential``. Nested matches are left to their outermost unit.
+    """
+    names = {unit} if unit else set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        if not found and unit:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise AutobatchError(
+                f"the FSDP unit must be a module class in the model, but {unit!r} is not one; "
+                f"pick one of {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}")
+    else:
+        lists = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1]
+        found = list(max(lists, key=len)) if lists else []
+    outer: list[torch.nn.Module] = []
+    inside = set()
+    for module in found:
+        if id(module) in inside:
+            continue
+        outer.append(module)
+        inside.update(id(m) for m in module.modules())
+    return [m for m in outer if any(True for _ in m.parameters())]
+
+
+def _world() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AutobatchError("wrapping for a strategy needs an initialized process group (a launcher or the fake group)")
+    return dist.get_world_size()
+
+
+def _plain_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _bucket_as_is(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations; ours are strings
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, device: torch.device, *,
+               batch: int = 1, deepspeed_config: dict[str, Any] | None = None) -> Wrapped:
+    """Wrap ``model`` (a private copy, modified in place) for ``strategy`` on ``device``.
+
+    Args:
+        model: the copy to wrap; FSDP and DeepSpeed change it in place.
+        strategy: how to wrap.
+        workload: for the optimizer (``workload.optimizer``) and the precision (``workload.dtype``).
+        device: this rank's device.
+        batch: the micro batch (DeepSpeed's config carries it).
+        deepspeed_config: the user's DeepSpeed config, whose bucket sizes are used where set.
+    """
+    world = _world()
+    if strategy.is_deepspeed:
+        from .zero import wrap_deepspeed
+
+        return wrap_deepspeed(model, strategy, workload, device, batch=batch, user_config=deepspeed_config)
+    if strategy.name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model.to(device)
+        device_ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=device_ids) if world > 1 else model
+        if world > 1 and dist.get_backend() == "fake":
+            # The fake group's all-reduce completes with no tensor, which DDP's reducer refuses; reduce
+            # in place (the default hook's memory: the bucket itself) by handing the bucket back.
+            wrapped.register_comm_hook(None, _bucket_as_is)
+        optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
+        return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), _keep=[wrapped])
+    units = fsdp_units(model, strategy.unit)
+    if strategy.name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        model.to(device)
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped = model
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        classes = {type(u) for u in units}
+        policy = ModuleWrapPolicy(classes) if classes else None
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True)
+    optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
+    return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), units=len(units), _keep=[wrapped])

@@ -1,0 +1,131 @@
+"""Probe a strategy for W ranks from one process: the real wrapper as rank 0 of W on the fake group.
+
+Without a launcher, ``find --gpus W --strategy zero3`` cannot run W processes on one CPU (or
+one GPU), and does not need to: every rank of FSDP and ZeRO holds the same shapes, and rank 0's
+shard is never smaller than another's (the padding goes to the last ones). So one process joins
+torch's fake process group as rank 0 of W (:func:`~autobatch.distributed.fake_group.fake_process_group`)
+and runs the probe's search over real sharded trials
+(:func:`~autobatch.distributed.sharded_trial.run_sharded_trial`) on its own backend: a simulated
+budget, or the GPU it has. The answer is a :class:`~autobatch.probing.result.ProbeResult` whose
+``extra`` says the strategy, the world size and where each rank's memory goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import AutobatchError, NoBatchFitsError
+from ..modelinfo import min_batch_for
+from ..probing.backends import MemoryBackend
+from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
+from ..probing.result import ProbeResult
+from ..probing.search import search_max
+from ..probing.trial import Trial
+from ..probing.workload import Workload
+from ..strategy import Strategy, parse_strategy
+from ..units import format_bytes
+from .fake_group import fake_process_group
+from .sharded_trial import MemoryBreakdown, run_sharded_trial
+
+__all__ = ["probe_sharded", "sharding_report"]
+
+
+def sharding_report(strategy: Strategy, world_size: int, breakdown: MemoryBreakdown | None,
+                    config: dict[str, Any] | None = None, *, simulated: bool = True) -> dict[str, Any]:
+    """What a sharded probe adds to a result's ``extra["sharding"]``."""
+    report: dict[str, Any] = {"strategy": strategy.to_dict(), "world_size": world_size,
+                              "simulated_world": simulated}
+    if breakdown is not None:
+        report["per_rank"] = breakdown.to_dict()
+    zero = (config or {}).get("zero_optimization")
+    if zero:
+        report["deepspeed_zero_optimization"] = zero
+    return report
+
+
+def probe_sharded(
+    workload: Workload,
+    backend: MemoryBackend,
+    strategy: Strategy | str,
+    world_size: int,
+    *,
+    max_batch: int | None = None,
+    min_batch: int | None = None,
+    headroom: float | int | str = DEFAULT_HEADROOM,
+    deepspeed_config: dict[str, Any] | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> ProbeResult:
+    """The exact largest per-rank batch under ``strategy`` on ``world_size`` ranks, probed as rank 0.
+
+    Args:
+        workload: what to train; a module passed in is copied for every trial and never changed.
+        backend: rank 0's device (e.g. ``SimulatedBackend("16GiB")`` for a 16 GiB GPU).
+        strategy: ``"ddp"``, ``"fsdp2"``, ``"fsdp1"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` or a
+            :class:`~autobatch.strategy.Strategy`.
+        world_size: the data-parallel ranks the strategy shards over.
+        max_batch, min_batch, headroom, on_trial: as in :func:`~autobatch.probe`.
+        deepspeed_config: the user's DeepSpeed config, whose bucket sizes are used where set.
+
+    Example:
+        >>> import torch, autobatch
+        >>> blocks = lambda: torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> work = autobatch.Workload(blocks, lambda b: torch.randn(b, 64))
+        >>> result = probe_sharded(work, autobatch.SimulatedBackend("300KiB"), "fsdp2", 4)  # doctest: +SKIP
+    """
+    strategy = parse_strategy(strategy)
+    if strategy.offload is not None and backend.device.type == "cpu":
+        raise AutobatchError(
+            f"offload={strategy.offload!r} moves state to host memory, which on the CPU is the simulated device "
+            "itself, so it cannot be probed here; probe it on a GPU, or drop the offload (the configs can still carry it)")
+    for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
+    capacity = backend.capacity()
+    headroom_bytes = resolve_headroom(headroom, capacity)
+    template = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
+    if not isinstance(template, torch.nn.Module):
+        raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(template).__name__}")
+    if min_batch is None:
+        min_batch = min_batch_for(template)
+    if max_batch is not None and max_batch < min_batch:
+        raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
+    breakdowns: dict[int, MemoryBreakdown | None] = {}
+    configs: dict[int, dict[str, Any]] = {}
+
+    def run(batch: int) -> Trial:
+        done = run_sharded_trial(workload, template, strategy, backend, batch, deepspeed_config=deepspeed_config)
+        breakdowns[batch], configs[batch] = done.breakdown, done.config
+        if on_trial is not None:
+            on_trial(done.trial)
+        return done.trial
+
+    with fake_process_group(world_size):
+        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+    backend.release()
+    if outcome.max_batch == 0:
+        first = outcome.trials[0]
+        raise NoBatchFitsError(
+            f"under {strategy.label} on {world_size} rank(s), even a batch of {min_batch} runs out of memory on "
+            f"{backend.info().name} (capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); "
+            "shard more (fsdp2, zero3), use more GPUs, bf16, gradient checkpointing or a shorter sequence")
+    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
+    return ProbeResult(
+        max_batch=outcome.max_batch,
+        safe_batch=summary.safe_batch,
+        limited_by=outcome.limited_by,
+        min_batch=min_batch,
+        trials=outcome.trials,
+        device=backend.info(),
+        capacity_bytes=capacity,
+        headroom_bytes=headroom_bytes,
+        bytes_per_sample=summary.bytes_per_sample,
+        fixed_bytes=summary.fixed_bytes,
+        safe_peak_bytes=summary.safe_peak_bytes,
+        safe_peak_measured=summary.safe_peak_measured,
+        workload=workload.name,
+        extra={"sharding": sharding_report(strategy, world_size, breakdowns.get(outcome.max_batch),
+                                           configs.get(outcome.max_batch))},
+    )

@@ -1,0 +1,198 @@
+"""DeepSpeed ZeRO-1/2/3 around a probe's model: an explicit config, sized from the model, and the engine.
+
+The config is explicit because DeepSpeed's defaults are not the model's: its default
+``reduce_bucket_size`` (5e8 elements) alone is a ~1.9 GiB fp32 buffer on every rank, whatever
+the model. Bucket sizes come from the user's DeepSpeed file where it sets them, else from the
+model as HF Trainer fills ``"auto"``: ``reduce_bucket_size = hidden²``, and for ZeRO-3
+``stage3_prefetch_bucket_size = 0.9·hidden²`` and ``stage3_param_persistence_threshold =
+10·hidden``. The engine then allocates what it allocates, and the probe measures it.
+
+The optimizer is the workload's own torch optimizer (``zero_allow_untested_optimizer``), so no
+DeepSpeed op is compiled (``fused_adam``, ``cpu_adam``); the CPU's shared-memory collective op
+is not built either (gloo or the fake group carry the collectives).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import AutobatchError, MissingDependencyError
+from ..probing.workload import Workload, make_optimizer, resolve_dtype
+from ..strategy import Strategy
+
+if TYPE_CHECKING:
+    from .sharding import Wrapped
+
+__all__ = ["hidden_size", "auto_bucket_sizes", "zero_config", "wrap_deepspeed", "BUCKET_KEYS"]
+
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+               "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+
+
+def hidden_size(model: torch.nn.Module) -> int | None:
+    """The model's hidden size: its config's ``hidden_size`` (HF's rule), else the widest ``Linear`` input."""
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    sizes = getattr(config, "hidden_sizes", None)
+    if sizes:
+        return max(sizes)
+    widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return max(widths) if widths else None
+
+
+def auto_bucket_sizes(model: torch.nn.Module, stage: int) -> dict[str, int]:
+    """The bucket sizes HF Trainer writes for ``"auto"``, from the model's hidden size.
+
+    Example:
+        >>> auto_bucket_sizes(torch.nn.Linear(64, 8), 3)
+        {'reduce_bucket_size': 4096, 'stage3_prefetch_bucket_size': 3686, 'stage3_param_persistence_threshold': 640}
+    """
+    hidden = hidden_size(model)
+    if hidden is None:
+        return {}
+    sizes = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        sizes["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+        sizes["stage3_param_persistence_threshold"] = 10 * hidden
+    return sizes
+
+
+def zero_config(model: torch.nn.Module, strategy: Strategy, *, batch: int, world_size: int,
+                dtype: str | torch.dtype | None = None, user_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config a probe trains ``model`` with under ``strategy``.
+
+    The user's ``zero_optimization`` keys are kept (numbers only: ``"auto"`` is filled from the
+    model); the stage and offload are the strategy's; batch keys are the trial's.
+    """
+    stage = strategy.zero_stage
+    if stage is None:
+        raise AutobatchError(f"a DeepSpeed config needs a ZeRO strategy, but got {strategy.name}")
+    user_zero = dict((user_config or {}).get("zero_optimization") or {})
+    zero: dict[str, Any] = {k: v for k, v in user_zero.items() if v != "auto" and not k.startswith("offload_")}
+    for key, value in auto_bucket_sizes(model, stage).items():
+        zero.setdefault(key, value)
+    zero["stage"] = stage
+    if strategy.offload in ("optimizer", "params"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if strategy.offload == "params":
+        zero["offload_param"] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": batch * world_size,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    precision = resolve_dtype(dtype)
+    if precision == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif precision == torch.float16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return config
+
+
+def _deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError:
+        raise MissingDependencyError(
+            "probing a ZeRO strategy needs deepspeed, which is not installed; pip install 'autobatch[deepspeed]'"
+        ) from None
+    return deepspeed
+
+
+@contextmanager
+def _no_shm_comm() -> Any:
+    # DeepSpeed's CPU backend compiles a shared-memory collective op (minutes) on first use;
+    # gloo or the fake group carry the probe's collectives, so skip it for the engine's setup.
+    module = sys.modules.get("deepspeed.comm.torch")
+    saved = getattr(module, "build_shm_op", None)
+    if module is not None and saved is not None:
+        module.build_shm_op = lambda: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if module is not None and saved is not None:
+            module.build_shm_op = saved  # type: ignore[attr-defined]
+
+
+class _Globals:
+    """DeepSpeed state kept in module globals, put back as it was when the wrapper closes.
+
+    It caches the groups it makes (its world group first); a cached group outlives the process
+    group it belongs to (the fake group of one probe), so the next engine would use a dead one.
+    ZeRO-3 also leaves the root module on its forward stack, and its parameter coordinator in a
+    class-level ``lru_cache``; either keeps the whole engine (and its optimizer state) alive after
+    the trial.
+    """
+
+    def __init__(self) -> None:
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.utils import groups
+
+        self.groups = groups
+        self.saved = {k: copy.copy(v) for k, v in vars(groups).items()
+                      if k.startswith("_") and k[1:2].isupper() and (v is None or isinstance(v, dict))}
+        self.stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+        self.depth = len(self.stack) if isinstance(self.stack, list) else 0
+
+    def destroy(self) -> None:
+        for key, value in self.saved.items():
+            setattr(self.groups, key, copy.copy(value))
+        if isinstance(self.stack, list):
+            del self.stack[self.depth:]
+        from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+
+        cls = getattr(coordinator, "PartitionedParameterCoordinator", None)
+        method = getattr(cls, "_PartitionedParameterCoordinator__params_to_release", None)
+        # The cache sits under a profiling wrapper: look through __wrapped__ and closure cells.
+        for candidate in (method, getattr(method, "__wrapped__", None),
+                          *(cell.cell_contents for cell in getattr(method, "__closure__", None) or ())):
+            if hasattr(candidate, "cache_clear"):
+                candidate.cache_clear()
+
+
+def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workload, device: torch.device, *,
+                   batch: int, user_config: Mapping[str, Any] | None = None) -> Wrapped:
+    """``deepspeed.initialize`` on ``model`` with :func:`zero_config` and the workload's torch optimizer."""
+    import logging
+
+    import torch.distributed as dist
+
+    from .sharding import Wrapped
+
+    deepspeed = _deepspeed()
+    import deepspeed.comm.torch  # noqa: F401 - loaded so its op builder can be skipped
+
+    saved_globals = _Globals()
+
+    config = zero_config(model, strategy, batch=batch, world_size=dist.get_world_size(), dtype=workload.dtype,
+                         user_config=user_config)
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # it logs its whole config at INFO on every initialize
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        optimizer = make_optimizer(workload.optimizer, [p for p in model.parameters() if p.requires_grad])
+        with _no_shm_comm():
+            engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    finally:
+        logger.setLevel(level)
+
+    def step() -> None:
+        engine.step()
+
+    return Wrapped(engine, ds_optimizer, engine.backward, step, config=config, _keep=[engine, saved_globals])

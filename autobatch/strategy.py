@@ -1,0 +1,208 @@
+"""How training spreads model states over the data-parallel ranks: the strategy, as a value.
+
+``ddp`` replicates parameters, gradients and optimizer state on every rank. ``fsdp2``
+(``fully_shard``) and ``fsdp1`` (``FullyShardedDataParallel``) shard all three, gathering one
+unit (a transformer block) at a time. DeepSpeed's ZeRO stages shard progressively: ``zero1``
+the optimizer state, ``zero2`` also the gradients, ``zero3`` also the parameters; ZeRO can
+offload the optimizer state (``offload="optimizer"``) or the parameters too (``"params"``) to
+host memory.
+
+A :class:`Strategy` is what the probe wraps the model with
+(:mod:`autobatch.distributed.sharding`), what the config writers put into DeepSpeed, accelerate
+and HF files, and what ``check`` reads back from them. This module knows names and rules only,
+so every stage can use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import AutobatchError
+
+__all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "parse_strategy", "parse_strategies",
+           "strategy_from_deepspeed", "strategy_from_accelerate"]
+
+STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
+OFFLOADS = ("none", "optimizer", "params")
+_SHARDED = {"ddp": "nothing", "fsdp2": "parameters, gradients, optimizer state",
+            "fsdp1": "parameters, gradients, optimizer state", "zero1": "optimizer state",
+            "zero2": "gradients, optimizer state", "zero3": "parameters, gradients, optimizer state"}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to train data-parallel.
+
+    Args:
+        name: one of :data:`STRATEGIES`.
+        offload: ZeRO only: ``"optimizer"`` (optimizer state in host memory) or ``"params"``
+            (parameters too; ZeRO-3 only); ``None`` keeps everything on the device.
+        unit: FSDP only: the class name of the module wrapped as one unit; ``None`` takes the
+            model's transformer block (``_no_split_modules``) or the items of its largest layer list.
+
+    Example:
+        >>> Strategy("zero3", offload="optimizer").label
+        'zero3+offload-optimizer'
+        >>> Strategy("zero2").zero_stage, Strategy("fsdp2").zero_stage
+        (2, None)
+    """
+
+    name: str = "ddp"
+    offload: str | None = None
+    unit: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGIES:
+            raise AutobatchError(
+                f"strategy must be one of {', '.join(STRATEGIES)}, but got {self.name!r}")
+        if self.offload is not None:
+            if self.offload not in OFFLOADS[1:]:
+                raise AutobatchError(
+                    f"offload must be 'optimizer' or 'params', but got offload={self.offload!r}")
+            if self.zero_stage is None:
+                raise AutobatchError(
+                    f"offload is a DeepSpeed ZeRO setting, but the strategy is {self.name}; "
+                    "use zero1, zero2 or zero3 with --offload, or drop --offload")
+            if self.offload == "params" and self.zero_stage != 3:
+                raise AutobatchError(
+                    f"offload='params' needs ZeRO-3 (only stage 3 partitions parameters), but got {self.name}; "
+                    "use zero3, or offload='optimizer'")
+        if self.unit is not None and not self.is_fsdp:
+            raise AutobatchError(
+                f"the FSDP unit names the block FSDP wraps, but the strategy is {self.name}; drop --fsdp-unit")
+
+    @property
+    def zero_stage(self) -> int | None:
+        return int(self.name[-1]) if self.name.startswith("zero") else None
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.name.startswith("fsdp")
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.zero_stage is not None
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.is_fsdp or self.zero_stage == 3
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self.is_fsdp or (self.zero_stage or 0) >= 2
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.name != "ddp"
+
+    @property
+    def sharded(self) -> str:
+        """What it shards, in words."""
+        return _SHARDED[self.name]
+
+    @property
+    def label(self) -> str:
+        return self.name + (f"+offload-{self.offload}" if self.offload else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "offload": self.offload, "unit": self.unit, "sharded": self.sharded}
+
+
+def parse_strategy(name: str | Strategy, offload: str | None = None, unit: str | None = None) -> Strategy:
+    """A :class:`Strategy` from its name (``"zero3"``; case and ``zero-3``/``fsdp`` spellings accepted).
+
+    Example:
+        >>> parse_strategy("ZeRO-3", offload="optimizer").label
+        'zero3+offload-optimizer'
+    """
+    if isinstance(name, Strategy):
+        return name
+    key = str(name).strip().lower().replace("-", "").replace("_", "")
+    key = {"fsdp": "fsdp2", "fullyshard": "fsdp2", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}.get(key, key)
+    offload = None if offload in (None, "none", "") else offload
+    return Strategy(key, offload=offload, unit=unit)
+
+
+def parse_strategies(text: str, offload: str | None = None, unit: str | None = None) -> list[Strategy]:
+    """Comma-separated strategies (``"ddp,fsdp2,zero3"``), each once, in order.
+
+    ``offload`` applies to the ZeRO strategies and ``unit`` to the FSDP ones of the list.
+
+    Example:
+        >>> [s.name for s in parse_strategies("ddp, fsdp2,zero3")]
+        ['ddp', 'fsdp2', 'zero3']
+    """
+    names = [part for part in (p.strip() for p in str(text).split(",")) if part]
+    if not names:
+        raise AutobatchError(f"strategy must name at least one of {', '.join(STRATEGIES)}, but got {text!r}")
+    found: list[Strategy] = []
+    for part in names:
+        base = parse_strategy(part)
+        strategy = Strategy(base.name, offload=offload if base.is_deepspeed else None,
+                            unit=unit if base.is_fsdp else None)
+        if strategy not in found:
+            found.append(strategy)
+    if offload not in (None, "none") and not any(s.is_deepspeed for s in found):
+        parse_strategy(found[0].name, offload=offload)  # raises the one-line error
+    return found
+
+
+def strategy_from_deepspeed(config: Mapping[str, Any]) -> Strategy | None:
+    """The strategy a DeepSpeed config trains with; ``None`` when its stage is ``"auto"`` or unreadable.
+
+    Stage 0 is plain data parallelism: ``ddp``.
+
+    Example:
+        >>> strategy_from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}).label
+        'zero3+offload-optimizer'
+    """
+    zero = config.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        return None
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
+        return None
+
+    def offloaded(key: str) -> bool:
+        section = zero.get(key)
+        return isinstance(section, Mapping) and str(section.get("device", "none")).lower() not in ("none", "")
+
+    if stage == 0:
+        return Strategy("ddp")
+    offload = "params" if stage == 3 and offloaded("offload_param") else ("optimizer" if offloaded("offload_optimizer") else None)
+    return Strategy(f"zero{stage}", offload=offload)
+
+
+def strategy_from_accelerate(config: Mapping[str, Any], deepspeed: Mapping[str, Any] | None = None) -> Strategy | None:
+    """The strategy an accelerate config trains with, or ``None`` when it does not say.
+
+    ``FSDP`` gives ``fsdp1`` or ``fsdp2`` by ``fsdp_config.fsdp_version``; ``DEEPSPEED`` the stage
+    in ``deepspeed_config.zero_stage``, or in the DeepSpeed file it names (passed as ``deepspeed``).
+
+    Example:
+        >>> strategy_from_accelerate({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}).name
+        'fsdp2'
+    """
+    kind = str(config.get("distributed_type", "")).upper()
+    if kind == "FSDP":
+        fsdp = config.get("fsdp_config") or {}
+        version = fsdp.get("fsdp_version", 1) if isinstance(fsdp, Mapping) else 1
+        unit = fsdp.get("fsdp_transformer_layer_cls_to_wrap") if isinstance(fsdp, Mapping) else None
+        return Strategy("fsdp2" if str(version) == "2" else "fsdp1", unit=unit if isinstance(unit, str) and unit else None)
+    if kind == "DEEPSPEED":
+        section = config.get("deepspeed_config") or {}
+        stage = section.get("zero_stage") if isinstance(section, Mapping) else None
+        if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3:
+            offload = None
+            if isinstance(section, Mapping):
+                if stage == 3 and str(section.get("offload_param_device", "none")).lower() != "none":
+                    offload = "params"
+                elif str(section.get("offload_optimizer_device", "none")).lower() != "none" and stage > 0:
+                    offload = "optimizer"
+            return Strategy("ddp") if stage == 0 else Strategy(f"zero{stage}", offload=offload)
+        return strategy_from_deepspeed(deepspeed) if deepspeed is not None else None
+    if kind == "MULTI_GPU":
+        return Strategy("ddp")
+    return None

@@ -1,0 +1,98 @@
+"""Models and per-rank jobs shared by the sharded-training tests (module level, so spawned ranks can run them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import autobatch
+from autobatch.distributed.sharded_trial import run_sharded_trial
+from autobatch.probing.backends import SimulatedBackend
+from autobatch.probing.memtrack import MemoryTracker
+from autobatch.strategy import parse_strategy
+
+WIDTH, DEPTH, TOKENS = 64, 4, 16
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def blocks() -> torch.nn.Module:
+    """Four blocks of 64×64: 16,640 parameters (66,560 bytes in fp32), activations 4 KiB per sample and block."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[Block() for _ in range(DEPTH)])
+
+
+def batch(b: int) -> torch.Tensor:
+    return torch.randn(b, TOKENS, WIDTH)
+
+
+def workload(model: Any = blocks) -> autobatch.Workload:
+    return autobatch.Workload(model, batch)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
+def fsdp2_step_figures() -> dict[str, int]:
+    """One FSDP2 rank: two AdamW steps counted by the tracker and by the CPU allocator (profiler)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import ProfilerActivity, profile
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = blocks()
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tracker = MemoryTracker()
+    tracker.add(model.parameters())
+    base = tracker.current_bytes
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with tracker:
+            for _ in range(2):
+                model(batch(4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = allocator_peak = 0
+    for event in events:
+        live += event.nbytes()
+        allocator_peak = max(allocator_peak, live)
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    expected = sum(local(t).untyped_storage().nbytes() for t in [*model.parameters(), *state])
+    return {"rank": dist.get_rank(), "base": base, "tracker_peak": tracker.peak_bytes - base,
+            "allocator_peak": allocator_peak, "tracker_resident": tracker.current_bytes,
+            "allocator_resident": base + live, "expected_resident": expected}
+
+
+def trial_peaks(strategies: tuple[str, ...] = ("fsdp2", "zero2"), batch_size: int = 3) -> dict[str, Any]:
+    """This rank's sharded trial figures per strategy, on a budget none of them reaches."""
+    backend = SimulatedBackend("1GiB")
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    for name in strategies:
+        done = run_sharded_trial(workload(), blocks(), parse_strategy(name), backend, batch_size)
+        t = done.trial
+        out[name] = (t.peak_bytes, t.forward_backward_bytes, t.optimizer_bytes, t.resident_bytes,
+                     done.breakdown.to_dict() if done.breakdown else None)
+    return out
+
+
+def gloo_job() -> list[dict[str, Any]]:
+    """Every rank's figures, gathered (spawn_local returns rank 0's answer)."""
+    mine = {"fsdp2_step": fsdp2_step_figures(), "trials": trial_peaks()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone

@@ -1,0 +1,102 @@
+"""Sharded probes on one CPU: the real wrappers as rank 0 of W on the fake group, against a simulated budget.
+
+The model (tests/sharded_jobs.py) has 66,560 bytes of fp32 parameters; AdamW's state is twice
+that. Unsharded (DDP: parameters, gradients, gradient buckets, two moments) that is 333 KB
+before any activation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autobatch
+from autobatch.distributed.sharding import fsdp_units
+from autobatch.distributed.simulated_world import probe_sharded
+from autobatch.distributed.zero import auto_bucket_sizes, zero_config
+from autobatch.errors import AutobatchError, NoBatchFitsError
+from autobatch.probing.backends import SimulatedBackend
+from autobatch.strategy import Strategy
+from tests import sharded_jobs
+
+BUDGET = "320KiB"
+
+
+def assert_exact(result: autobatch.ProbeResult) -> None:
+    """The max trained, and the batch above it ran out of memory (an exact boundary, proven by trials)."""
+    fits = {t.batch for t in result.trials if t.fits}
+    fails = {t.batch for t in result.trials if not t.fits}
+    assert result.max_batch in fits and result.max_batch + 1 in fails
+    assert all(b <= result.max_batch for b in fits) and all(b > result.max_batch for b in fails)
+
+
+def test_states_that_do_not_fit_unsharded_fit_under_fsdp2_and_zero3() -> None:
+    with pytest.raises(NoBatchFitsError, match="under ddp on 4 rank"):
+        probe_sharded(sharded_jobs.workload(), SimulatedBackend(BUDGET), "ddp", 4)
+    fsdp2 = probe_sharded(sharded_jobs.workload(), SimulatedBackend(BUDGET), "fsdp2", 4)
+    assert_exact(fsdp2)
+    assert fsdp2.max_batch >= 8
+    per_rank = fsdp2.extra["sharding"]["per_rank"]
+    assert per_rank["parameters"] == 66_560 // 4
+    assert per_rank["optimizer_state"] == 2 * 66_560 // 4 + 8 * 4  # two moments and a step counter each
+    assert fsdp2.extra["sharding"]["world_size"] == 4
+    pytest.importorskip("deepspeed", reason="ZeRO needs the deepspeed extra")
+    zero3 = probe_sharded(sharded_jobs.workload(), SimulatedBackend(BUDGET), "zero3", 4)
+    assert_exact(zero3)
+    assert zero3.extra["sharding"]["per_rank"]["parameters"] == 66_560 // 4
+    assert zero3.extra["sharding"]["deepspeed_zero_optimization"]["reduce_bucket_size"] == 64 * 64
+
+
+def test_max_batch_never_shrinks_from_ddp_through_the_zero_stages() -> None:
+    pytest.importorskip("deepspeed", reason="ZeRO needs the deepspeed extra")
+    budget = "400KiB"
+    maxima = []
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        result = probe_sharded(sharded_jobs.workload(), SimulatedBackend(budget), name, 4)
+        assert_exact(result)
+        maxima.append(result.max_batch)
+    assert maxima == sorted(maxima) and maxima[0] < maxima[-1], maxima
+
+
+def test_a_model_passed_in_is_bit_identical_and_the_rng_untouched() -> None:
+    model = sharded_jobs.blocks()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    probe_sharded(autobatch.Workload(model, sharded_jobs.batch), SimulatedBackend(BUDGET), "fsdp2", 2, max_batch=2)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_find_answers_for_w_ranks_from_one_cpu() -> None:
+    plan = autobatch.find(sharded_jobs.blocks, sharded_jobs.batch, target=64, device="cpu", memory=BUDGET,
+                          gpus_per_node=4, strategy="fsdp2", headroom=0)
+    assert plan.world_size == 4 and plan.micro_batch * plan.grad_accum * 4 == 64
+
+
+def test_fsdp_units_are_the_transformer_blocks() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=64))
+    assert [type(u).__name__ for u in fsdp_units(model)] == ["GPT2Block"] * 3
+    assert len(fsdp_units(sharded_jobs.blocks())) == 4
+    assert [type(u).__name__ for u in fsdp_units(sharded_jobs.blocks(), "Linear")] == ["Linear"] * 4
+    with pytest.raises(AutobatchError, match="the FSDP unit must be a module class in the model, but 'Nope'"):
+        fsdp_units(model, "Nope")
+
+
+def test_deepspeed_buckets_are_sized_from_the_model_or_taken_from_the_users_file() -> None:
+    model = sharded_jobs.blocks()
+    assert auto_bucket_sizes(model, 2) == {"reduce_bucket_size": 4096}
+    config = zero_config(model, Strategy("zero3"), batch=2, world_size=8, dtype="bf16",
+                         user_config={"zero_optimization": {"reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": "auto"}})
+    zero = config["zero_optimization"]
+    assert zero == {"reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 3686,
+                    "stage3_param_persistence_threshold": 640, "stage": 3}
+    assert config["train_batch_size"] == 16 and config["bf16"] == {"enabled": True}
+
+
+def test_offload_cannot_be_probed_on_the_cpu() -> None:
+    with pytest.raises(AutobatchError, match="offload='optimizer' moves state to host memory"):
+        probe_sharded(sharded_jobs.workload(), SimulatedBackend(BUDGET), Strategy("zero3", offload="optimizer"), 4)

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from autobatch.cli import app
+from tests.extras import need
 
 runner = CliRunner()
 
@@ -113,7 +114,7 @@ def test_cache_clear_on_a_read_only_cache_is_one_line(tmp_path, monkeypatch):
 
 
 def test_tune_on_a_cache_it_cannot_write_is_one_line_before_any_probe(tmp_path, monkeypatch):
-    pytest.importorskip("optuna", reason="needs the tune extra")
+    need("optuna")
     import importlib
 
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
@@ -128,7 +129,7 @@ def test_tune_on_a_cache_it_cannot_write_is_one_line_before_any_probe(tmp_path, 
 
 
 def test_tune_prints_no_optuna_traceback_before_the_one_line_error(capfd, monkeypatch):
-    pytest.importorskip("optuna", reason="needs the tune extra")
+    need("optuna")
     import importlib
 
     from autobatch.errors import AutobatchError

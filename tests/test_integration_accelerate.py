@@ -15,7 +15,8 @@ import torch
 from autobatch import SimulatedBackend
 from autobatch.errors import AutobatchError
 
-accelerate = pytest.importorskip("accelerate", reason="needs the accelerate extra: pip install 'autobatch[accelerate]'")
+from tests.extras import need
+accelerate = need("accelerate")
 from accelerate.utils import find_executable_batch_size as accelerate_find
 
 from autobatch.integrations.accelerate import find_executable_batch_size

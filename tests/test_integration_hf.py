@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'autobatch[hf]'")
+from tests.extras import need
+transformers = need("transformers", "accelerate")  # the Trainer needs accelerate too
 
 from autobatch.errors import AutobatchError
 from autobatch.integrations.hf import (

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra: pip install 'autobatch[lightning]'")
+from tests.extras import need
+pl = need("lightning.pytorch")
 
 from autobatch.errors import AutobatchError  # noqa: E402
 from autobatch.integrations.lightning import AutoBatch  # noqa: E402
@@ -140,7 +141,7 @@ def test_ddp_ranks_agree_on_the_smaller_device() -> None:
                     "table; set AUTOBATCH_SLOW_TESTS=1 to include it")
 def test_lightnings_own_finder_on_the_same_model_and_budget() -> None:
     """The figures docs/integrations.md puts beside AutoBatch's (9 trials, exact 111 above)."""
-    tools = pytest.importorskip("benchmarks.tools")
+    tools = need("benchmarks.tools")
     from autobatch import Workload
 
     work = Workload(lambda: torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4)),

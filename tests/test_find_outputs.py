@@ -99,7 +99,7 @@ def test_plot_is_written_with_json(tmp_path):
     (("--deepspeed", "x.txt"), ".json"),
     (("--accelerate", "x.txt"), ".yaml"),
     (("--hf", "x.txt"), ".json"),
-    (("--multiple-of", "0"), "multiple"),
+    (("--multiple-of", "0"), "--multiple-of"),
 ])
 def test_find_checks_flags_before_the_first_trial(no_trials, tmp_path, flags, words):
     result = invoke("find", "--model", "tiny-mlp", *PROBE, *flags)
@@ -122,7 +122,7 @@ def test_find_reads_an_existing_deepspeed_file_before_the_first_trial(no_trials,
 def test_tune_checks_timed_steps_before_probing(no_trials):
     need("optuna")
     result = invoke("tune", "--model", "tiny-mlp", "--target", "8", *PROBE[:4], "--timed-steps", "0")
-    assert result.exit_code == 2 and "timed-steps" in result.stderr
+    assert result.exit_code == 2 and "--timed-steps" in result.stderr
 
 
 # --- item 9: the no-GPU hint --------------------------------------------------------------------

@@ -14,6 +14,9 @@ from .verify_ga import GAVerification, Mode, _validate, verify_ga
 __all__ = ["verify_model_source", "verify_model"]
 
 
+_HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
+
+
 def verify_model_source(
     source: Any,
     *,
@@ -42,8 +45,8 @@ def verify_model_source(
         return _verify_source(source, global_batch, micro_batch=micro_batch, grad_accum=grad_accum,
                               world_size=world_size, mode=mode, tolerance=tolerance, seed=seed)
     except (MemoryError, RuntimeError) as exc:
-        # The batch is built on the host: torch's CPU allocator failing is what "does not fit" means here.
-        if not (isinstance(exc, MemoryError) or is_oom_error(exc) or "DefaultCPUAllocator:" in str(exc)):
+        # The batch is built on the host: its RAM running out is the allocator's own message.
+        if not (isinstance(exc, MemoryError) or is_oom_error(exc) or _HOST_OOM in str(exc)):
             raise
         raise AutobatchError(
             f"the big batch of micro_batch × grad_accum × world_size = {global_batch} samples must fit in host memory "

@@ -151,9 +151,10 @@ def find_command(
         from .estimate import estimate_command
 
         spec = resolve_gpu(gpu, None if gpu_memory is None else size_value(gpu_memory, "--gpu-memory"))
-        typer.echo(f"note: no CUDA GPU here, so these are estimates for {spec.name} from a fake-tensor trace (pick your card "
-                   "with --gpu or --gpu-memory, see `autobatch gpus`); run find on the GPU machine for exact figures",
-                   err=True)
+        typer.echo(f"note: no CUDA GPU here, so these are estimates for {spec.name} "
+                   f"({'--gpu-memory' if gpu_memory is not None else '--gpu; default a100-80gb'}) from a fake-tensor "
+                   "trace (pick your card with --gpu, see `autobatch gpus`); run find on the GPU machine for exact "
+                   "figures", err=True)
         estimate_command(
             model=model, gpu=gpu, gpu_memory=gpu_memory, target=target, gpus=gpus or 1, nodes=nodes,
             model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, evaluation=evaluation,

@@ -17,6 +17,7 @@ from autobatch.distributed.fake_group import fake_process_group
 from autobatch.distributed.launch import spawn_local
 from autobatch.probing.memtrack import MemoryTracker
 from tests import sharded_jobs
+from tests.extras import need
 
 SLOW = pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason=(
     "two-process gloo run with DeepSpeed (~30 s alone, minutes on a shared CPU); set AUTOBATCH_SLOW_TESTS=1 to include it"))
@@ -24,7 +25,7 @@ SLOW = pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason=(
 
 @pytest.fixture(scope="module")
 def gloo_ranks() -> list[dict]:
-    pytest.importorskip("deepspeed", reason="the ZeRO half of the comparison needs the deepspeed extra")
+    need("deepspeed")
     return spawn_local(sharded_jobs.gloo_job, nprocs=2, backend="gloo", timeout_s=240)
 
 

@@ -20,6 +20,7 @@ from autobatch.errors import AutobatchError, NoBatchFitsError
 from autobatch.probing.backends import SimulatedBackend
 from autobatch.strategy import Strategy
 from tests import sharded_jobs
+from tests.extras import need
 
 BUDGET = "320KiB"
 
@@ -42,7 +43,7 @@ def test_states_that_do_not_fit_unsharded_fit_under_fsdp2_and_zero3() -> None:
     assert per_rank["parameters"] == 66_560 // 4
     assert per_rank["optimizer_state"] == 2 * 66_560 // 4 + 8 * 4  # two moments and a step counter each
     assert fsdp2.extra["sharding"]["world_size"] == 4
-    pytest.importorskip("deepspeed", reason="ZeRO needs the deepspeed extra")
+    need("deepspeed")
     zero3 = probe_sharded(sharded_jobs.workload(), SimulatedBackend(BUDGET), "zero3", 4)
     assert_exact(zero3)
     assert zero3.extra["sharding"]["per_rank"]["parameters"] == 66_560 // 4
@@ -52,7 +53,7 @@ def test_states_that_do_not_fit_unsharded_fit_under_fsdp2_and_zero3() -> None:
 @pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason=(
     "four sharded probes (~20 s of CPU, minutes on a shared one); set AUTOBATCH_SLOW_TESTS=1 to include it"))
 def test_max_batch_never_shrinks_from_ddp_through_the_zero_stages() -> None:
-    pytest.importorskip("deepspeed", reason="ZeRO needs the deepspeed extra")
+    need("deepspeed")
     budget = "400KiB"
     maxima = []
     for name in ("ddp", "zero1", "zero2", "zero3"):
@@ -81,7 +82,7 @@ def test_find_answers_for_w_ranks_from_one_cpu() -> None:
 
 
 def test_fsdp_units_are_the_transformer_blocks() -> None:
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=64))
     assert [type(u).__name__ for u in fsdp_units(model)] == ["GPT2Block"] * 3
     assert len(fsdp_units(sharded_jobs.blocks())) == 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import typer
 
 from ._app import command, fail, outputs
@@ -96,6 +98,9 @@ def estimate_command(
         fail("--deepspeed, --accelerate and --hf write a plan, which needs --target (the global batch); add --target N")
     check_request(target, gpus, nodes, min_micro=min_micro or 1, multiple_of=multiple_of, model_parallel=model_parallel)
     check_plan_outputs(deepspeed=deepspeed, accelerate=accelerate, hf=hf)
+    if not math.isfinite(fragmentation) or fragmentation < 1:
+        fail(f"--fragmentation is reserved ÷ allocated memory and must be a finite number ≥ 1, "
+             f"but got {fragmentation}; use e.g. 1.05")
     overheads = Overheads(fragmentation=fragmentation, workspace_bytes=workspace_bytes)
     lengths = parse_seq_lens(seq_len)
     if (lengths and len(lengths) > 1) or evaluation:

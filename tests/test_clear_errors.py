@@ -65,7 +65,7 @@ def test_deeply_nested_config_is_one_line(tmp_path, suffix, text):
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_estimate_refuses_a_fragmentation_that_is_not_finite(value):
     line = one_line_error(invoke("estimate", "--model", "tiny-mlp", "--fragmentation", value))
-    assert "--fragmentation" in line and value in line
+    assert "fragmentation" in line and value in line  # typer's bound or the library's rule, one line either way
 
 
 def test_num_classes_zero_is_one_line(tmp_path):

@@ -27,13 +27,11 @@ def parse_seq_lens(text: str | None) -> list[int] | None:
         lengths = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         lengths = []
-    if not lengths:
+    if not lengths or min(lengths) < 1:
         raise AutobatchError(
             f"--seq-len must be one positive integer or several separated by commas, but got {text!r}; "
             "write e.g. --seq-len 1024 or --seq-len 256,512,1024,2048"
         )
-    if min(lengths) < 1:  # the wording of every other bounded integer flag
-        raise AutobatchError(f"--seq-len must be ≥ 1, but got {text!r}")
     return list(dict.fromkeys(lengths))
 
 

@@ -202,7 +202,7 @@ def test_every_help_ends_with_examples_and_shows_no_bool_type(name):
     (["find", "--model", "tiny-mlp", "--headroom", "lots", "--device", "cpu", "--memory", "2MiB"],
      "--headroom must be a fraction (0.05), a percentage (5%) or a size (2GiB), but got 'lots'"),
     (["find", "--model", "tiny-gpt2", "--seq-len", "0", "--device", "cpu", "--memory", "2MiB"],
-     "--seq-len must be ≥ 1, but got '0'"),
+     "--seq-len must be one positive integer or several separated by commas, but got '0'"),
     (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "lots"],
      "--memory must be a positive size"),
     (["estimate", "--model", "tiny-mlp", "--gpu-memory", "0"], "--gpu-memory must be a positive size"),

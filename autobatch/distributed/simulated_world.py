@@ -17,16 +17,15 @@ from typing import Any
 
 import torch
 
-from ..errors import AutobatchError, NoBatchFitsError
+from ..errors import AutobatchError
 from ..modelinfo import min_batch_for
 from ..probing.backends import MemoryBackend
-from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
+from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, result_from_search
 from ..probing.result import ProbeResult
 from ..probing.search import search_max
 from ..probing.trial import Trial
 from ..probing.workload import Workload
 from ..strategy import Strategy, parse_strategy
-from ..units import format_bytes
 from .fake_group import fake_process_group
 from .sharded_trial import MemoryBreakdown, run_sharded_trial
 
@@ -105,27 +104,10 @@ def probe_sharded(
     with fake_process_group(world_size):
         outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
     backend.release()
-    if outcome.max_batch == 0:
-        first = outcome.trials[0]
-        raise NoBatchFitsError(
-            f"under {strategy.label} on {world_size} rank(s), even a batch of {min_batch} runs out of memory on "
-            f"{backend.info().name} (capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); "
-            "shard more (fsdp2, zero3), use more GPUs, bf16, gradient checkpointing or a shorter sequence")
-    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
-    return ProbeResult(
-        max_batch=outcome.max_batch,
-        safe_batch=summary.safe_batch,
-        limited_by=outcome.limited_by,
-        min_batch=min_batch,
-        trials=outcome.trials,
-        device=backend.info(),
-        capacity_bytes=capacity,
-        headroom_bytes=headroom_bytes,
-        bytes_per_sample=summary.bytes_per_sample,
-        fixed_bytes=summary.fixed_bytes,
-        safe_peak_bytes=summary.safe_peak_bytes,
-        safe_peak_measured=summary.safe_peak_measured,
-        workload=workload.name,
+    return result_from_search(
+        outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
+        workload=workload.name, context=f"under {strategy.label} on {world_size} rank(s), ",
+        fix="shard more (fsdp2, zero3), use more GPUs, bf16, gradient checkpointing or a shorter sequence",
         extra={"sharding": sharding_report(strategy, world_size, breakdowns.get(outcome.max_batch),
                                            configs.get(outcome.max_batch))},
     )

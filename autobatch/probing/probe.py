@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -15,11 +16,11 @@ from .backends import CudaBackend, MemoryBackend, SimulatedBackend
 from .oom import is_oom_error
 from .preserve import borrowed_model, kept_rng
 from .result import ProbeResult
-from .search import fit_line, predict_batch, search_max
+from .search import SearchOutcome, fit_line, predict_batch, search_max
 from .trial import Trial, run_trial
 from .workload import Workload
 
-__all__ = ["probe", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
+__all__ = ["probe", "result_from_search", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
            "weights_error", "for_data_parallel", "training_trial"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
@@ -236,12 +237,25 @@ def probe(
     if owned:
         del model, lent
     backend.release()
+    return result_from_search(
+        outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
+        workload=workload.name, fix="use a shorter sequence, bf16, gradient checkpointing, a smaller model or a larger device",
+        gradient_bytes=gradient_bytes,
+    )
+
+
+def result_from_search(outcome: SearchOutcome, backend: MemoryBackend, *, capacity: int, headroom_bytes: int, min_batch: int,
+                       workload: str, fix: str, context: str = "", **fields: Any) -> ProbeResult:
+    """The :class:`ProbeResult` of a finished search, or :class:`NoBatchFitsError` when nothing fit.
+
+    ``context`` opens the error (e.g. the strategy and world size), ``fix`` ends it; ``fields`` are
+    the result's remaining fields (``extra``, ``gradient_bytes``).
+    """
     if outcome.max_batch == 0:
         first = outcome.trials[0]
         raise NoBatchFitsError(
-            f"even a batch of {min_batch} runs out of memory on {backend.info().name} "
-            f"(capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); "
-            "use a shorter sequence, bf16, gradient checkpointing, a smaller model or a larger device"
+            f"{context}even a batch of {min_batch} runs out of memory on {backend.info().name} "
+            f"(capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); {fix}"
         )
     summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
     return ProbeResult(
@@ -257,6 +271,6 @@ def probe(
         fixed_bytes=summary.fixed_bytes,
         safe_peak_bytes=summary.safe_peak_bytes,
         safe_peak_measured=summary.safe_peak_measured,
-        workload=workload.name,
-        gradient_bytes=gradient_bytes,
+        workload=workload,
+        **fields,
     )

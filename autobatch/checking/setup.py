@@ -23,9 +23,8 @@ from ..configs.deepspeed import (
     BATCH_KEYS,
     ZERO_OPTIMIZATION,
 )
-
-if TYPE_CHECKING:
-    import torch
+from ..errors import AutobatchError
+from ..strategy import Strategy, parse_strategy, strategy_from_accelerate, strategy_from_deepspeed
 from .lengths import check_probed_length
 from .problems import _AUTO, CheckResult, _Collector, _fix_for
 from .views import (
@@ -39,6 +38,9 @@ from .views import (
     _fill_auto,
     _flags_view,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["check_setup"]
 
@@ -57,6 +59,7 @@ def check_setup(
     batchnorm: bool | None = None,
     seq_len: int | None = None,
     probed: Sequence[Mapping[str, Any]] | None = None,
+    probed_strategy: str | Strategy | None = None,
 ) -> CheckResult:
     """Find every batch-size problem in a proposed setup, before launch.
 
@@ -77,6 +80,8 @@ def check_setup(
         seq_len: The longest sequence the setup trains on; with ``probed`` (the model's cached
             probes, ``[{"seq_len", "max_batch", "safe_batch", "device"}, …]``) a micro batch
             never probed at this length, or above its probed max, is a problem.
+        probed_strategy: The strategy the micro batch was probed under (``find --strategy``); a
+            DeepSpeed stage or accelerate plugin that trains otherwise is a problem.
 
     Returns:
         A :class:`CheckResult`; ``result.ok`` is False when any problem was found. Unreadable or
@@ -158,6 +163,9 @@ def check_setup(
             )
         _accelerate_deepspeed(c, *acc_loaded, *(ds_loaded or (None, None)))
 
+    if probed_strategy is not None:
+        _check_strategy(c, probed_strategy, acc_loaded, ds_loaded)
+
     if world is None:
         return CheckResult(tuple(c.problems), tuple(c.notes), *given.numbers(), None, gpus, node_count, mp)
 
@@ -231,3 +239,40 @@ def check_setup(
     return CheckResult(
         tuple(c.problems), tuple(c.notes), *resolved.numbers(), world, gpus, node_count, mp
     )
+
+
+# How much model state each strategy keeps per GPU, from most to least (FSDP shards like ZeRO-3).
+_KEEPS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp1": 3, "fsdp2": 3}
+
+
+def _check_strategy(c: _Collector, probed: str | Strategy, acc_loaded: Any, ds_loaded: Any) -> None:
+    """A problem when the configs train with another strategy than the micro batch was probed under."""
+    try:
+        probed = parse_strategy(probed)
+    except AutobatchError as exc:
+        c.add("strategy", str(exc), "name the strategy find --strategy probed")
+        return
+    found: list[tuple[str, Strategy]] = []
+    if ds_loaded is not None and (read := strategy_from_deepspeed(ds_loaded[1])) is not None:
+        found.append((ds_loaded[0], read))
+    if acc_loaded is not None and str(acc_loaded[1].get("distributed_type", "")).upper() != "DEEPSPEED" \
+            and (read := strategy_from_accelerate(acc_loaded[1])) is not None:
+        found.append((acc_loaded[0], read))
+    if not found:
+        c.note(f"the configs do not say how training shards; the micro batch was probed under {probed.label}")
+        return
+    for label, configured in found:
+        if (configured.name, configured.offload) == (probed.name, probed.offload):
+            c.note(f"{label} trains with {configured.label}, as the micro batch was probed")
+            continue
+        more = _KEEPS[configured.name] < _KEEPS[probed.name]
+        c.add(
+            "strategy-mismatch",
+            f"the micro batch was probed under {probed.label}, but {label} trains with {configured.label}, which "
+            + ("keeps more state on each GPU: the micro batch may run out of memory"
+               if more else "keeps less state on each GPU: a larger micro batch may fit"),
+            f"probe again with find --strategy {configured.name}"
+            + (f" --offload {configured.offload}" if configured.offload else "")
+            + f", or train with {probed.label}",
+            probed=probed.label, configured=configured.label,
+        )

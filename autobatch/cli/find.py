@@ -27,11 +27,14 @@ from .options import (
     MultipleOf,
     Nodes,
     Evaluation,
+    FsdpUnitOption,
     NumClasses,
+    OffloadOption,
     OptimizerName,
     Script,
     SeqLens,
     SimulatedMemory,
+    StrategyOption,
     TrainSeqLen,
     TrustRemoteCode,
     headroom_value,
@@ -108,15 +111,27 @@ def find_command(
         300.0, "--timeout", min=1.0,
         help="Seconds a rank waits for the others (under a launcher, or one worker per GPU here) before all stop with one error.",
     ),
+    strategy: StrategyOption = None,
+    offload: OffloadOption = None,
+    fsdp_unit: FsdpUnitOption = None,
     as_json: AsJson = False,
 ) -> None:
     """Probe the largest per-GPU batch with real training steps, then plan --target exactly.
 
     With no CUDA GPU here and no --device, it estimates for --gpu (or --gpu-memory) from a
-    fake-tensor trace instead, and says so."""
+    fake-tensor trace instead, and says so. With --strategy, the model trains wrapped as that
+    strategy (DDP, FSDP, ZeRO) as rank 0 of the --gpus × --nodes ranks on torch's fake process
+    group, so one device answers for all of them."""
     import json
 
     import torch
+
+    from .strategies import strategies_from_options
+
+    strategies = strategies_from_options(strategy, offload, fsdp_unit)
+    if strategies is not None and len(strategies) > 1 and (deepspeed or accelerate or hf or plot):
+        fail(f"configs and plots are written for one strategy, but --strategy names {len(strategies)}; "
+             "compare them first, then run again with the one you pick")
 
     from ..configs import check_plan_outputs, write_plan_configs
     from ..models import load_model
@@ -198,6 +213,9 @@ def find_command(
     options = dict(max_batch=max_micro, min_batch=min_micro, headroom=room)
     planning = dict(target=target, nodes=nodes, model_parallel=model_parallel, multiple_of=multiple_of)
     status_console = console(stderr=True)
+    if strategies is not None and is_launched():
+        fail("--strategy runs one process as rank 0 of the world on torch's fake process group, and cannot run "
+             "under a launcher yet; run `autobatch find` without torchrun, with --gpus N --strategy …")
     if gpus is not None:
         here = gpus
     elif is_launched():
@@ -222,7 +240,7 @@ def find_command(
         agreed = result.to_probe_result()
         plan = plan_from_probe(agreed, gpus_per_node=gpus or env.local_world_size, **planning)
         finding = Finding(agreed, plan, ranks_report=str(result))
-    elif device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
+    elif strategies is None and device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
         # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
         status_console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)
         agreed, report = spawn_local(probe_worker, (model, load, settings, {**options, "timeout_s": timeout}),
@@ -236,13 +254,23 @@ def find_command(
             def progress(trial: Any) -> None:
                 status.update(f"probing… batch {trial.batch} {'fits' if trial.fits else 'is out of memory'}")
 
-            finding = find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=max_micro,
-                                min_micro=min_micro, headroom=room, on_trial=progress,
+            if strategies is not None:
+                from .strategies import find_strategies, print_strategy_rows
+
+                findings = find_strategies(workload, strategies, backend, gpus=gpus, deepspeed=deepspeed,
+                                           options=options, planning=planning, on_trial=progress)
+                if len(findings) > 1:
+                    print_strategy_rows(findings, _device_line(backend.info()), as_json=as_json)
+                    return
+                finding = findings[0]
+            else:
+                finding = find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=max_micro,
+                                    min_micro=min_micro, headroom=room, on_trial=progress,
                                 use_cache=not no_cache, **planning)
     plan = finding.plan
     changes: list[str] = []
     written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, written=outputs(),
-                                 changes=changes)
+                                 changes=changes, strategy=finding.strategy, probed_zero=finding.probed_zero)
     if plot is not None:
         from ..tuning.plot import plot_probe
 
@@ -255,10 +283,15 @@ def find_command(
     out.print(_device_line(finding.probe.device), highlight=False)
     if finding.ranks_report:
         out.print(finding.ranks_report, highlight=False)
+    if finding.strategy is not None:
+        from .strategies import strategy_table
+
+        out.print(strategy_table([finding]))
     out.print(_trial_table(finding))
     out.print(str(finding.probe) + (" (cached)" if finding.cached else ""), highlight=False)
     out.print("plan: " + plan.describe(), highlight=False)
-    for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script):
+    for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script,
+                           strategy=finding.strategy):
         out.print(line, highlight=False, markup=False)
     print_written(written)
     for line in changes:

@@ -20,7 +20,7 @@ __all__ = [
     "AsJson", "AccelerateOut", "DeepSpeedOut", "DeviceName", "Dtype", "GpuMemory", "GpuName", "GpusPerNode",
     "GradCheckpointing", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel", "ModelSpec",
     "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SeqLens", "Evaluation", "TrainSeqLen",
-    "SimulatedMemory", "Target",
+    "SimulatedMemory", "Target", "StrategyOption", "OffloadOption", "FsdpUnitOption",
     "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
 ]
 
@@ -99,6 +99,19 @@ GpuName = Annotated[str | None, typer.Option(
 )]
 GpuMemory = Annotated[str | None, typer.Option(
     "--gpu-memory", help="Estimate for a GPU not in `autobatch gpus` by its total memory, e.g. 40GiB (instead of --gpu).",
+)]
+
+StrategyOption = Annotated[str | None, typer.Option(
+    "--strategy", rich_help_panel=_PLAN,
+    help="How training shards: ddp, fsdp2, fsdp1, zero1, zero2, zero3, or a list (ddp,fsdp2,zero3: one row each).",
+)]
+OffloadOption = Annotated[str | None, typer.Option(
+    "--offload", rich_help_panel=_PLAN,
+    help="ZeRO only: optimizer (its state in host memory) or params (ZeRO-3: the parameters too).",
+)]
+FsdpUnitOption = Annotated[str | None, typer.Option(
+    "--fsdp-unit", rich_help_panel=_PLAN, show_default="the transformer block",
+    help="FSDP only: the module class wrapped as one unit.",
 )]
 
 DeepSpeedOut = Annotated[str | None, typer.Option(

@@ -28,14 +28,14 @@ def console(stderr: bool = False) -> Any:
 
 
 def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | None = None,
-               script: str = "train.py") -> list[str]:
+               script: str = "train.py", strategy: Any = None) -> list[str]:
     """The HF, Lightning, torchrun (and accelerate) lines that run ``plan``, one per framework."""
     from ..configs import accelerate_command, hf_flags, lightning_settings, torchrun_command
 
     lightning = lightning_settings(plan)
     trainer = ", ".join(f"{k}={v}" for k, v in lightning["trainer"].items())
     lines = [
-        f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed))}",
+        f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed, strategy))}",
         f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})",
         f"torchrun: {torchrun_command(plan, script)}",
     ]

@@ -104,6 +104,10 @@ def check_command(
     input_shape: InputShape = None,
     num_classes: NumClasses = 10,
     trust_remote_code: TrustRemoteCode = False,
+    strategy: str | None = typer.Option(
+        None, "--strategy", rich_help_panel="Plan",
+        help="The strategy the micro batch was probed under (find --strategy); checked against the configs' stage.",
+    ),
     as_json: AsJson = False,
 ) -> None:
     """Report every batch-size problem in a setup before launch, each with its fix. Exit 1 if any.
@@ -130,7 +134,7 @@ def check_command(
     result = check_setup(
         target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
         model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
-        model=module, seq_len=seq_len, probed=probed,
+        model=module, seq_len=seq_len, probed=probed, probed_strategy=strategy,
     )
     typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:

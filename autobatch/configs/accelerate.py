@@ -19,6 +19,7 @@ import copy
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..strategy import Strategy
 from .files import read_config, write_config
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = [
     "accelerate_config",
     "accelerate_comment",
     "describe_changes",
+    "fsdp_plugin",
     "merge_accelerate_config",
     "read_accelerate_config",
     "write_accelerate_config",
@@ -60,6 +62,7 @@ def accelerate_config(
     mixed_precision: str = "no",
     main_process_ip: str | None = None,
     main_process_port: int = 29500,
+    strategy: Strategy | None = None,
 ) -> dict[str, Any]:
     """An accelerate ``ClusterConfig`` mapping for the plan (what ``accelerate config`` would write).
 
@@ -71,14 +74,22 @@ def accelerate_config(
             JSON decides precision (accelerate refuses both).
         main_process_ip: Address of node 0, for multi-node jobs.
         main_process_port: Port on node 0, for multi-node jobs.
+        strategy: The strategy the micro batch was probed under: FSDP writes accelerate's FSDP
+            plugin (``fsdp_version`` 1 or 2, one unit per ``strategy.unit`` block); ZeRO without a
+            DeepSpeed file writes the DeepSpeed plugin with its stage, offload and accumulation
+            (with a file, the stage lives in the file).
 
     Example:
         >>> from autobatch.planning.plan import Plan
         >>> accelerate_config(Plan(7, 2, gpus_per_node=16))["distributed_type"]
         'MULTI_GPU'
     """
-    if deepspeed_config_file is not None:
+    zero = strategy is not None and strategy.is_deepspeed
+    fsdp = strategy is not None and strategy.is_fsdp
+    if deepspeed_config_file is not None or zero:
         distributed_type = "DEEPSPEED"
+    elif fsdp:
+        distributed_type = "FSDP"
     elif plan.num_processes > 1:
         distributed_type = "MULTI_GPU"
     else:
@@ -96,8 +107,21 @@ def accelerate_config(
         "same_network": True,
         "use_cpu": False,
     }
-    if deepspeed_config_file is None:
+    if deepspeed_config_file is None and zero:
+        assert strategy is not None  # narrowed by ``zero``
+        config["deepspeed_config"] = {
+            "gradient_accumulation_steps": plan.grad_accum,
+            "offload_optimizer_device": "cpu" if strategy.offload else "none",
+            "offload_param_device": "cpu" if strategy.offload == "params" else "none",
+            "zero3_init_flag": strategy.zero_stage == 3,
+            "zero_stage": strategy.zero_stage,
+        }
         config["mixed_precision"] = mixed_precision
+    elif deepspeed_config_file is None:
+        config["mixed_precision"] = mixed_precision
+        if fsdp:
+            assert strategy is not None  # narrowed by ``fsdp``
+            config["fsdp_config"] = fsdp_plugin(strategy)
     else:
         # accelerate refuses mixed_precision next to a DeepSpeed file: fp16/bf16 are set in the JSON
         config["deepspeed_config"] = {
@@ -111,11 +135,41 @@ def accelerate_config(
     return config
 
 
-def accelerate_comment(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None) -> str:
+def fsdp_plugin(strategy: Strategy) -> dict[str, Any]:
+    """accelerate's ``fsdp_config`` section for an FSDP strategy: full sharding, one unit per block.
+
+    Example:
+        >>> fsdp_plugin(Strategy("fsdp2", unit="GPT2Block"))["fsdp_transformer_layer_cls_to_wrap"]
+        'GPT2Block'
+    """
+    version = 2 if strategy.name == "fsdp2" else 1
+    section: dict[str, Any] = {
+        "fsdp_version": version,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_offload_params": False,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    }
+    if strategy.unit:
+        section["fsdp_transformer_layer_cls_to_wrap"] = strategy.unit
+    if version == 2:
+        section["fsdp_reshard_after_forward"] = True
+    else:
+        section.update(fsdp_reshard_after_forward="FULL_SHARD", fsdp_backward_prefetch="BACKWARD_PRE",
+                       fsdp_forward_prefetch=False, fsdp_sync_module_states=True, fsdp_use_orig_params=True)
+    return section
+
+
+def accelerate_comment(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None,
+                       strategy: Strategy | None = None) -> str:
     """The header comment written above the YAML: the arithmetic and where accumulation lives."""
     lines = [f"written by autobatch: {plan}"]
+    if strategy is not None:
+        lines.append(f"micro batch probed under strategy {strategy.label} (shards {strategy.sharded})")
     if deepspeed_config_file is not None:
         lines.append(f"batch sizes and gradient accumulation ({plan.grad_accum}) live in {os.fspath(deepspeed_config_file)}")
+    elif strategy is not None and strategy.is_deepspeed:
+        lines.append(f"gradient accumulation ({plan.grad_accum}) is in deepspeed_config; DataLoader(batch_size={plan.micro_batch})")
     else:
         lines.append(
             f"gradient accumulation is not an accelerate config key: use Accelerator(gradient_accumulation_steps="
@@ -214,5 +268,8 @@ def write_accelerate_config(
     config = accelerate_config(plan, deepspeed_config_file, **kwargs)
     if os.path.exists(path):
         asked = {key: config[key] for key in kwargs if key in config}  # what the caller set explicitly
+        if kwargs.get("strategy") is not None:  # the probed strategy decides how training shards
+            asked.update({key: config[key] for key in ("distributed_type", "fsdp_config", "deepspeed_config") if key in config})
         config = {**merge_accelerate_config(plan, read_config(path), deepspeed_config_file), **asked}
-    return write_config(path, config, comment=accelerate_comment(plan, deepspeed_config_file))
+    comment = accelerate_comment(plan, deepspeed_config_file, kwargs.get("strategy"))
+    return write_config(path, config, comment=comment)

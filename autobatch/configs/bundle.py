@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from ..strategy import Strategy
 from .accelerate import describe_changes, write_accelerate_config
 from .deepspeed import write_deepspeed_config
 from .files import _JSON, _YAML, ConfigFileError, read_config, write_config
@@ -52,6 +52,8 @@ def write_plan_configs(
     written: dict[str, str] | None = None,
     changes: list[str] | None = None,
     eval_batch: int | None = None,
+    strategy: Strategy | None = None,
+    probed_zero: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """Write the requested files from one plan; return ``{kind: path}`` of what was written.
 
@@ -67,6 +69,9 @@ def write_plan_configs(
         changes: gets one line per existing file that was merged, saying what changed in it.
         eval_batch: the probed evaluation batch, written to the HF arguments as
             ``per_device_eval_batch_size``.
+        strategy: the strategy the micro batch was probed under; every file trains with it
+            (DeepSpeed stage and offload, accelerate's FSDP or DeepSpeed plugin, HF ``fsdp``/``deepspeed``).
+        probed_zero: the ZeRO values (bucket sizes) the probe ran with, added to the DeepSpeed file.
 
     Example:
         >>> write_plan_configs(plan, deepspeed="ds.json", accelerate="accelerate.yaml")  # doctest: +SKIP
@@ -87,12 +92,13 @@ def write_plan_configs(
 
     if deepspeed is not None:
         merged(deepspeed, lambda: write_deepspeed_config(plan, deepspeed, keep_auto=keep_auto,
-                                                         for_accelerate=accelerate is not None))
+                                                         for_accelerate=accelerate is not None,
+                                                         strategy=strategy, probed_zero=probed_zero))
         written["deepspeed_config"] = str(deepspeed)
     if accelerate is not None:
-        merged(accelerate, lambda: write_accelerate_config(plan, accelerate, deepspeed))
+        merged(accelerate, lambda: write_accelerate_config(plan, accelerate, deepspeed, strategy=strategy))
         written["accelerate_config"] = str(accelerate)
     if hf is not None:
-        write_config(hf, hf_training_args(plan, deepspeed, eval_batch=eval_batch))
+        write_config(hf, hf_training_args(plan, deepspeed, eval_batch=eval_batch, strategy=strategy))
         written["hf_args"] = str(hf)
     return written

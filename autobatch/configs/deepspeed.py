@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import AutobatchError
+from ..strategy import Strategy
 from .files import read_config, write_config
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ __all__ = [
     "DerivedBatch",
     "derive_batch_keys",
     "deepspeed_config",
+    "zero_section",
     "read_deepspeed_config",
     "write_deepspeed_config",
 ]
@@ -47,7 +50,40 @@ BATCH_KEYS = (TRAIN_BATCH_SIZE, MICRO_BATCH, GRAD_ACCUM)
 ZERO_OPTIMIZATION = "zero_optimization"
 
 
-def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep_auto: bool = False) -> dict[str, Any]:
+def zero_section(strategy: Strategy, existing: dict[str, Any] | None = None,
+                 probed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``zero_optimization`` section that trains as ``strategy`` was probed.
+
+    The stage and offload are the strategy's (a different stage in ``existing`` is replaced: the
+    micro batch was measured under this one); every other key of ``existing`` is kept, and the
+    bucket sizes the probe used (``probed``) are added where the file sets none.
+
+    Example:
+        >>> zero_section(Strategy("zero3", offload="optimizer"), {"stage": 2, "overlap_comm": True})
+        {'stage': 3, 'overlap_comm': True, 'offload_optimizer': {'device': 'cpu', 'pin_memory': True}}
+    """
+    if strategy.zero_stage is None and strategy.name != "ddp":
+        raise AutobatchError(
+            f"a DeepSpeed config trains with ZeRO (zero1, zero2, zero3) or plain data parallelism (ddp), but the "
+            f"plan was probed under {strategy.name}; drop --deepspeed, or probe a ZeRO strategy")
+    section = dict(existing or {})
+    section["stage"] = strategy.zero_stage or 0
+    for key, value in (probed or {}).items():
+        if key not in ("stage",) and not key.startswith("offload_"):
+            section.setdefault(key, value)
+    if strategy.offload in ("optimizer", "params"):
+        section["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    else:
+        section.pop("offload_optimizer", None)
+    if strategy.offload == "params":
+        section["offload_param"] = {"device": "cpu", "pin_memory": True}
+    else:
+        section.pop("offload_param", None)
+    return section
+
+
+def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep_auto: bool = False,
+                     strategy: Strategy | None = None, probed_zero: dict[str, Any] | None = None) -> dict[str, Any]:
     """The plan's three batch keys, merged into an existing DeepSpeed config or as a new one.
 
     Args:
@@ -57,6 +93,9 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
             new config also holds ``"zero_optimization": {"stage": 0}`` (DeepSpeed's default),
             because HF Trainer and accelerate refuse a DeepSpeed config without that section.
         keep_auto: Leave keys whose value is ``"auto"`` untouched (see the module docstring).
+        strategy: The strategy the micro batch was probed under: its ZeRO stage and offload are
+            written (see :func:`zero_section`), so the file trains as the probe measured.
+        probed_zero: The ``zero_optimization`` values the probe ran with (bucket sizes).
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -70,7 +109,9 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         if keep_auto and config.get(key) == "auto":
             continue
         config[key] = value
-    if existing is None:
+    if strategy is not None:
+        config[ZERO_OPTIMIZATION] = zero_section(strategy, config.get(ZERO_OPTIMIZATION), probed_zero)
+    elif existing is None:
         # HF Trainer and accelerate refuse a DeepSpeed file without this section; stage 0 is
         # DeepSpeed's own default, so it changes nothing else. Existing configs are left alone.
         config[ZERO_OPTIMIZATION] = {"stage": 0}
@@ -94,6 +135,8 @@ def write_deepspeed_config(
     base: str | os.PathLike[str] | None = None,
     keep_auto: bool = False,
     for_accelerate: bool = False,
+    strategy: Strategy | None = None,
+    probed_zero: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write the plan into a DeepSpeed JSON file and return what was written.
 
@@ -107,6 +150,7 @@ def write_deepspeed_config(
         for_accelerate: The file will be named in an accelerate config (or HF ``deepspeed=``):
             an existing config without a ``zero_optimization`` section also gets
             ``{"stage": 0}``, DeepSpeed's own default, because those libraries refuse one without.
+        strategy, probed_zero: The probed strategy and its ZeRO values (see :func:`deepspeed_config`).
 
     A file read as hjson is written back as plain JSON, so its comments are not kept.
 
@@ -115,7 +159,7 @@ def write_deepspeed_config(
     """
     source = base if base is not None else (path if Path(path).exists() else None)
     existing = read_deepspeed_config(source) if source is not None else None
-    config = deepspeed_config(plan, existing, keep_auto=keep_auto)
+    config = deepspeed_config(plan, existing, keep_auto=keep_auto, strategy=strategy, probed_zero=probed_zero)
     if for_accelerate:
         config.setdefault(ZERO_OPTIMIZATION, {"stage": 0})
     write_config(path, config)

@@ -1,0 +1,75 @@
+"""``find --strategy`` (one row per strategy, configs that carry it) and ``check --strategy``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from autobatch.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "200"})  # the table's rows on one line each
+
+
+def test_find_compares_strategies_one_row_each():
+    pytest.importorskip("deepspeed", reason="zero3 needs the deepspeed extra")
+    res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "4",
+                 "--strategy", "ddp,fsdp2,zero3", "--max-batch", "3", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["strategies"]
+    assert [r["probe"]["sharding"]["strategy"]["name"] for r in rows] == ["ddp", "fsdp2", "zero3"]
+    for row in rows:
+        sharding = row["probe"]["sharding"]
+        assert sharding["world_size"] == 4
+        assert set(sharding["per_rank"]) == {"parameters", "buffers", "optimizer_state", "gradients", "activations", "peak"}
+    ddp, fsdp2, zero3 = (r["probe"]["sharding"]["per_rank"]["parameters"] for r in rows)
+    assert fsdp2 < ddp and zero3 < ddp  # a shard, not the whole model
+    # a strategy under which nothing fits is a row of its own
+    text = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "1MiB", "--gpus", "4",
+                  "--strategy", "ddp,fsdp2", "--max-batch", "2")
+    assert text.exit_code == 0, text.output
+    assert "per rank, at the max batch" in text.stdout and "no batch fits" in text.stdout
+    assert "fsdp2: max batch 2 per rank" in text.stdout
+
+
+def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
+    ds, acc, hf = tmp_path / "ds.json", tmp_path / "accelerate.yaml", tmp_path / "hf.json"
+    res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
+                 "--strategy", "fsdp2", "--max-batch", "2", "--accelerate", str(acc), "--hf", str(hf))
+    assert res.exit_code == 0, res.output
+    assert "FSDP" in acc.read_text() and "fsdp_version: 2" in acc.read_text()
+    assert json.loads(hf.read_text())["fsdp"] == "full_shard auto_wrap"
+    res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
+                 "--strategy", "fsdp2", "--max-batch", "2", "--deepspeed", str(ds))
+    assert res.exit_code == 2 and "probed under fsdp2" in res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--strategy", "zero4"), "strategy must be one of ddp, fsdp2"),
+    (("--offload", "optimizer"), "no --strategy was given"),
+    (("--strategy", "ddp,fsdp2", "--deepspeed", "ds.json"), "written for one strategy"),
+    (("--strategy", "fsdp2", "--offload", "optimizer"), "offload is a DeepSpeed ZeRO setting"),
+])
+def test_bad_strategy_options_fail_before_any_trial(args, match):
+    res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "1MiB", *args)
+    assert res.exit_code == 2
+    assert match in res.output and "Traceback" not in res.output
+
+
+def test_check_says_when_the_micro_batch_was_probed_under_another_strategy(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                              "zero_optimization": {"stage": 2}}))
+    res = invoke("check", "--gpus", "4", "--deepspeed", str(ds), "--strategy", "zero3", "--json")
+    assert res.exit_code == 1, res.output
+    problems = json.loads(res.stdout)["problems"]
+    (mismatch,) = [p for p in problems if p["code"] == "strategy-mismatch"]
+    assert "probed under zero3" in mismatch["message"] and "trains with zero2" in mismatch["message"]
+    assert "may run out of memory" in mismatch["message"]
+    same = invoke("check", "--gpus", "4", "--deepspeed", str(ds), "--strategy", "zero2")
+    assert same.exit_code == 0, same.output

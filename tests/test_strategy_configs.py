@@ -1,0 +1,105 @@
+"""Strategies as values, and the configs that carry them: DeepSpeed's parser and accelerate's loader read the stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autobatch.configs import write_plan_configs
+from autobatch.configs.accelerate import accelerate_config
+from autobatch.configs.deepspeed import deepspeed_config, zero_section
+from autobatch.configs.hf import hf_flags, hf_training_args
+from autobatch.errors import AutobatchError
+from autobatch.planning.plan import Plan
+from autobatch.strategy import (
+    Strategy,
+    parse_strategies,
+    parse_strategy,
+    strategy_from_accelerate,
+    strategy_from_deepspeed,
+)
+from tests.deepspeed_parse import deepspeed_parse
+
+PLAN = Plan(6, 2, gpus_per_node=4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: parse_strategy("zero4"), "strategy must be one of ddp, fsdp2, fsdp1, zero1, zero2, zero3, but got 'zero4'"),
+    (lambda: parse_strategy("fsdp2", offload="optimizer"), "offload is a DeepSpeed ZeRO setting"),
+    (lambda: parse_strategy("zero2", offload="params"), "offload='params' needs ZeRO-3"),
+    (lambda: parse_strategy("zero3", offload="disk"), "offload must be 'optimizer' or 'params'"),
+    (lambda: parse_strategy("zero3", unit="GPT2Block"), "the FSDP unit names the block FSDP wraps"),
+    (lambda: parse_strategies(" , "), "strategy must name at least one"),
+])
+def test_bad_strategies_are_one_line_errors(bad, match):
+    with pytest.raises(AutobatchError, match=match):
+        bad()
+
+
+def test_strategy_lists_and_spellings():
+    assert [s.label for s in parse_strategies("ddp,ZeRO-3,fsdp,zero3", offload="optimizer")] == [
+        "ddp", "zero3+offload-optimizer", "fsdp2"]
+    assert (Strategy("zero2").shards_gradients, Strategy("zero2").shards_parameters) == (True, False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "zero3+optimizer", "zero3+params"])
+def test_deepspeed_file_carries_the_stage_and_deepspeeds_parser_reads_it(strategy, tmp_path):
+    name, _, offload = strategy.partition("+")
+    chosen = parse_strategy(name, offload=offload or None)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}, "gradient_clipping": 1.0}))
+    write_plan_configs(PLAN, deepspeed=path, strategy=chosen, probed_zero={"reduce_bucket_size": 4096})
+    written = json.loads(path.read_text())
+    assert written["gradient_clipping"] == 1.0 and written["zero_optimization"]["overlap_comm"] is True
+    assert written["zero_optimization"]["reduce_bucket_size"] == 4096
+    parsed = deepspeed_parse(str(path), world_size=PLAN.world_size)
+    assert parsed.zero_optimization_stage == (chosen.zero_stage or 0)
+    assert parsed.train_micro_batch_size_per_gpu == 6 and parsed.gradient_accumulation_steps == 2
+    assert (parsed.zero_config.offload_optimizer is not None) == (chosen.offload is not None)
+    assert strategy_from_deepspeed(written) == chosen
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "zero2", "zero3+optimizer"])
+def test_accelerate_loader_reads_the_strategy(strategy, tmp_path):
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    name, _, offload = strategy.partition("+")
+    chosen = parse_strategy(name, offload=offload or None, unit="GPT2Block" if name.startswith("fsdp") else None)
+    yaml_path = tmp_path / "accelerate.yaml"
+    write_plan_configs(PLAN, accelerate=yaml_path, strategy=chosen)
+    loaded = config_args.load_config_from_file(str(yaml_path))
+    if chosen.is_fsdp:
+        assert loaded.distributed_type.value == "FSDP"
+        assert loaded.fsdp_config["fsdp_version"] == (2 if name == "fsdp2" else 1)
+        assert loaded.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "GPT2Block"
+    else:
+        assert loaded.distributed_type.value == "DEEPSPEED"
+        assert loaded.deepspeed_config["zero_stage"] == chosen.zero_stage
+        assert loaded.deepspeed_config["gradient_accumulation_steps"] == PLAN.grad_accum
+    assert strategy_from_accelerate(accelerate_config(PLAN, strategy=chosen)) == chosen
+    assert f"probed under strategy {chosen.label}" in yaml_path.read_text()
+
+
+def test_accelerate_with_a_deepspeed_file_reads_the_stage_from_the_file(tmp_path):
+    config = accelerate_config(PLAN, "ds.json", strategy=Strategy("zero3"))
+    assert "zero_stage" not in config["deepspeed_config"]  # accelerate refuses it next to the file
+    assert strategy_from_accelerate(config, deepspeed=deepspeed_config(PLAN, strategy=Strategy("zero3"))).name == "zero3"
+
+
+def test_hf_arguments_carry_fsdp_or_deepspeed():
+    transformers = pytest.importorskip("transformers")
+    fsdp = hf_training_args(PLAN, strategy=Strategy("fsdp2", unit="GPT2Block"))
+    assert fsdp["fsdp"] == "full_shard auto_wrap"
+    assert fsdp["fsdp_config"] == {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
+    zero = hf_training_args(PLAN, strategy=Strategy("zero3"))
+    assert zero["deepspeed"]["zero_optimization"] == {"stage": 3}
+    assert "--fsdp_config" in hf_flags(PLAN, strategy=Strategy("fsdp2"))
+    # Trainer's own argument parser accepts the FSDP values (it builds accelerate's plugin from them)
+    parser = transformers.HfArgumentParser(transformers.TrainingArguments)
+    (args,) = parser.parse_dict({"output_dir": "out", "use_cpu": True, **fsdp}, allow_extra_keys=False)
+    assert args.fsdp_config["version"] == 2
+
+
+def test_a_deepspeed_file_cannot_carry_fsdp():
+    with pytest.raises(AutobatchError, match="the plan was probed under fsdp2"):
+        zero_section(Strategy("fsdp2"))

@@ -73,3 +73,15 @@ def test_check_says_when_the_micro_batch_was_probed_under_another_strategy(tmp_p
     assert "may run out of memory" in mismatch["message"]
     same = invoke("check", "--gpus", "4", "--deepspeed", str(ds), "--strategy", "zero2")
     assert same.exit_code == 0, same.output
+
+
+def test_estimate_with_a_strategy_probes_rank_0_of_w_against_the_gpus_memory():
+    res = invoke("estimate", "--model", "tiny-mlp", "--gpu-memory", "600MiB", "--gpus", "8",
+                 "--strategy", "ddp,fsdp2", "--max-batch", "2", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["estimated"] is True
+    rows = out["strategies"]
+    assert [r["probe"]["sharding"]["world_size"] for r in rows] == [8, 8]
+    ddp, fsdp2 = (r["probe"]["sharding"]["per_rank"]["parameters"] for r in rows)
+    assert fsdp2 < ddp

@@ -13,6 +13,7 @@ from .options import (
     AsJson,
     DeepSpeedOut,
     Dtype,
+    FsdpUnitOption,
     GpuMemory,
     GpuName,
     GpusPerNode,
@@ -28,9 +29,11 @@ from .options import (
     Nodes,
     Evaluation,
     NumClasses,
+    OffloadOption,
     OptimizerName,
     Script,
     SeqLens,
+    StrategyOption,
     TrainSeqLen,
     TrustRemoteCode,
     headroom_value,
@@ -74,13 +77,21 @@ def estimate_command(
     accelerate: AccelerateOut = None,
     hf: HfOut = None,
     script: Script = "train.py",
+    strategy: StrategyOption = None,
+    offload: OffloadOption = None,
+    fsdp_unit: FsdpUnitOption = None,
     as_json: AsJson = False,
 ) -> None:
     """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used.
 
-    The JSON carries "estimated": true."""
+    The JSON carries "estimated": true. With --strategy: real sharded steps on this machine's CPU
+    as rank 0 of --gpus × --nodes ranks (torch's fake process group), against the GPU's usable
+    memory as a simulated budget."""
     import json
 
+    from .strategies import strategies_from_options
+
+    strategies = strategies_from_options(strategy, offload, fsdp_unit)
     from ..configs import check_plan_outputs, write_plan_configs
     from ..estimating.estimate import estimate, load_fake_model
     from ..estimating.gpus import resolve_gpu
@@ -103,6 +114,20 @@ def estimate_command(
              f"but got {fragmentation}; use e.g. 1.05")
     overheads = Overheads(fragmentation=fragmentation, workspace_bytes=workspace_bytes)
     lengths = parse_seq_lens(seq_len)
+    if strategies is not None:
+        if (lengths and len(lengths) > 1) or evaluation:
+            fail("--strategy estimates one sequence length for training; drop --eval and pass one --seq-len")
+        from .strategies import estimate_strategies
+
+        estimate_strategies(
+            model, spec, strategies, load=model_load_options(lengths[0] if lengths else None, input_shape, num_classes,
+                                                               trust_remote_code),
+            settings=dict(optimizer=optimizer, dtype=dtype, grad_checkpointing=grad_checkpointing),
+            options=dict(max_batch=max_micro, min_batch=min_micro, headroom=room),
+            planning=dict(target=target, gpus_per_node=gpus, nodes=nodes, model_parallel=model_parallel,
+                          multiple_of=multiple_of),
+            outputs=dict(deepspeed=deepspeed, accelerate=accelerate, hf=hf, script=script), as_json=as_json)
+        return
     if (lengths and len(lengths) > 1) or evaluation:
         run_length_table(
             model=model, lengths=lengths, evaluation=evaluation, train_seq_len=train_seq_len,

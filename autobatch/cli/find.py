@@ -177,7 +177,7 @@ def find_command(
             num_classes=num_classes, trust_remote_code=trust_remote_code, dtype=dtype,
             optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_micro=max_micro,
             min_micro=min_micro, fragmentation=1.05, workspace="64MiB", deepspeed=deepspeed, accelerate=accelerate,
-            hf=hf, script=script, as_json=as_json,
+            hf=hf, script=script, strategy=strategy, offload=offload, fsdp_unit=fsdp_unit, as_json=as_json,
         )
         return
     if plot is not None:

@@ -8,7 +8,8 @@ from typing import Any
 from ..errors import AutobatchError
 from ..strategy import Strategy, parse_strategies
 
-__all__ = ["strategies_from_options", "find_strategies", "strategy_table", "print_strategy_rows", "NoFit"]
+__all__ = ["strategies_from_options", "find_strategies", "strategy_table", "print_strategy_rows", "NoFit",
+           "estimate_strategies"]
 
 
 class NoFit:
@@ -107,3 +108,63 @@ def print_strategy_rows(findings: list[Any], device_line: str, *, as_json: bool)
         else:
             out.print(f"{f.strategy.label}: max batch {f.probe.max_batch} per rank, trials {f.probe.trials_text()}; "
                       f"plan: {f.plan.describe()}", highlight=False, markup=False)
+
+
+def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, load: dict[str, Any],
+                        settings: dict[str, Any], options: dict[str, Any], planning: dict[str, Any],
+                        outputs: dict[str, Any], as_json: bool) -> None:
+    """``estimate --strategy``: real sharded steps here against the GPU's usable memory, one row each.
+
+    Not a fake-tensor trace: the model and rank 0's shards are real tensors on this machine's CPU,
+    so this costs the CPU memory and time of rank 0's training step (said so in the output).
+    With one strategy and ``--target``, the plan is solved and the configs are written with it.
+    """
+    import json
+
+    import typer
+
+    from ..configs import write_plan_configs
+    from ..models import load_model
+    from ..probing.backends import SimulatedBackend
+    from ..units import format_bytes
+    from ._app import outputs as written_so_far
+    from .output import console, plan_lines, print_written
+
+    usable = spec.usable_bytes
+    gpus = planning.pop("gpus_per_node")
+    workload = load_model(model, **load).to_workload(**settings)
+    findings = find_strategies(workload, strategies, SimulatedBackend(usable), gpus=gpus,
+                               deepspeed=outputs["deepspeed"], options=options, planning=planning)
+    world = gpus * planning["nodes"] // planning["model_parallel"]
+    if len(findings) > 1:
+        if as_json:
+            typer.echo(json.dumps({"estimated": True, "gpu": spec.to_dict(),
+                                   "strategies": [f.to_dict() for f in findings]}, indent=2, ensure_ascii=False))
+            return
+        print_strategy_rows(findings, f"estimated for {spec.name}: real sharded steps on this CPU as rank 0 of "
+                                      f"{world}, against its usable {format_bytes(usable)}", as_json=False)
+        return
+    finding = findings[0]
+    written: dict[str, str] = {}
+    changes: list[str] = []
+    if planning["target"] is not None:
+        written = write_plan_configs(finding.plan, deepspeed=outputs["deepspeed"], accelerate=outputs["accelerate"],
+                                     hf=outputs["hf"], written=written_so_far(), changes=changes,
+                                     strategy=finding.strategy, probed_zero=finding.probed_zero)
+    if as_json:
+        data = {**finding.to_dict(), "estimated": True, "gpu": spec.to_dict()}
+        typer.echo(json.dumps({**data, **written, **({"changes": changes} if changes else {})}, indent=2,
+                              ensure_ascii=False))
+        return
+    out = console()
+    out.print(f"note: estimated for {spec.name}: real sharded steps on this CPU as rank 0 of {world}, against its "
+              f"usable {format_bytes(usable)} (no GPU used; no allocator overheads added)", highlight=False, markup=False)
+    out.print(strategy_table([finding]))
+    out.print(str(finding.probe), highlight=False, markup=False)
+    out.print("plan (estimated): " + finding.plan.describe(), highlight=False, markup=False)
+    for line in plan_lines(finding.plan, deepspeed=outputs["deepspeed"], accelerate=outputs["accelerate"],
+                           script=outputs["script"], strategy=finding.strategy):
+        out.print(line, highlight=False, markup=False)
+    print_written(written)
+    for line in changes:
+        out.print(f"updated {line}", highlight=False, markup=False)

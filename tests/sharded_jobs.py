@@ -96,3 +96,23 @@ def gloo_job() -> list[dict[str, Any]]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return everyone
+
+
+def launched_probe(strategy: str = "fsdp2") -> dict[str, Any]:
+    """Every rank probes ``strategy`` on its own simulated budget, in lockstep (rank 1 has less memory)."""
+    from autobatch.distributed.lockstep import probe_distributed
+
+    budget = ["900KiB", "700KiB"][dist.get_rank() % 2]
+    result = probe_distributed(workload(), SimulatedBackend(budget), strategy=strategy)
+    agreed = result.to_probe_result()
+    return {"rank": dist.get_rank(), "max_batch": result.max_batch, "limiting": result.limiting_ranks,
+            "trials": [(t.batch, t.fits) for t in result.trials], "wrapped": result.wrapped,
+            "sharding": agreed.extra["sharding"],
+            "own": [[(t.batch, t.fits) for t in r.trials] for r in result.ranks]}
+
+
+def launched_job() -> list[dict[str, Any]]:
+    mine = launched_probe()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone

@@ -105,3 +105,24 @@ def test_deepspeed_buckets_are_sized_from_the_model_or_taken_from_the_users_file
 def test_offload_cannot_be_probed_on_the_cpu() -> None:
     with pytest.raises(AutobatchError, match="offload='optimizer' moves state to host memory"):
         probe_sharded(sharded_jobs.workload(), SimulatedBackend(BUDGET), Strategy("zero3", offload="optimizer"), 4)
+
+
+def test_under_a_launcher_every_rank_runs_sharded_trials_and_the_ranks_agree() -> None:
+    """Two gloo ranks with different budgets probe FSDP2 in lockstep: one answer, the smaller rank's."""
+    from autobatch.distributed.launch import spawn_local
+
+    ranks = spawn_local(sharded_jobs.launched_job, nprocs=2, backend="gloo", timeout_s=240)
+    first, second = ranks
+    assert first["max_batch"] == second["max_batch"] > 0
+    assert first["trials"] == second["trials"]
+    assert first["limiting"] == second["limiting"] == (1,)
+    assert first["wrapped"] == "fsdp2"
+    assert first["sharding"]["world_size"] == 2 and first["sharding"]["simulated_world"] is False
+    tried = dict(first["trials"])
+    assert tried[first["max_batch"]] is True and tried[first["max_batch"] + 1] is False
+    # rank 0, with more memory, fitted the batch that ended the search on rank 1
+    assert dict(first["own"][0])[first["max_batch"] + 1] is True
+    # one process as rank 0 of 2 on the fake group answers the same for the smaller budget (within
+    # the one-unit difference docs/sharding.md describes between the fake group and real ranks)
+    faked = probe_sharded(sharded_jobs.workload(), SimulatedBackend("700KiB"), "fsdp2", 2)
+    assert abs(faked.max_batch - first["max_batch"]) <= 1

@@ -213,9 +213,9 @@ def find_command(
     options = dict(max_batch=max_micro, min_batch=min_micro, headroom=room)
     planning = dict(target=target, nodes=nodes, model_parallel=model_parallel, multiple_of=multiple_of)
     status_console = console(stderr=True)
-    if strategies is not None and is_launched():
-        fail("--strategy runs one process as rank 0 of the world on torch's fake process group, and cannot run "
-             "under a launcher yet; run `autobatch find` without torchrun, with --gpus N --strategy …")
+    if strategies is not None and len(strategies) > 1 and is_launched():
+        fail(f"under a launcher every rank trains one strategy, but --strategy names {len(strategies)}; compare them "
+             "without the launcher (one process answers for --gpus N ranks), then launch with the one you pick")
     if gpus is not None:
         here = gpus
     elif is_launched():
@@ -227,19 +227,22 @@ def find_command(
     if is_launched():
         # Under torchrun / accelerate launch: every rank probes its own device, in lockstep.
         from ..distributed.lockstep import probe_distributed
+        from .strategies import user_deepspeed_config
 
         env = rank_env()
         backend = make_backend(device or (f"cuda:{env.local_rank}" if memory is None else "cpu"), memory)
         with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=timeout):
             workload = load_model(model, **load).to_workload(**settings)
-            result = probe_distributed(workload, backend, **options, timeout_s=timeout)
+            sharded = {} if strategies is None else {"strategy": strategies[0],
+                                                     "deepspeed_config": user_deepspeed_config(deepspeed)}
+            result = probe_distributed(workload, backend, **options, timeout_s=timeout, **sharded)
         if not is_main_process():
             return  # only rank 0 prints and writes files
         if nodes == 1 and env.world_size > env.local_world_size:
             planning["nodes"] = env.world_size // env.local_world_size
         agreed = result.to_probe_result()
         plan = plan_from_probe(agreed, gpus_per_node=gpus or env.local_world_size, **planning)
-        finding = Finding(agreed, plan, ranks_report=str(result))
+        finding = Finding(agreed, plan, ranks_report=str(result), strategy=None if strategies is None else strategies[0])
     elif strategies is None and device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
         # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
         status_console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)

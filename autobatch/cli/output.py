@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import shlex
+
 import typer
 
 __all__ = ["console", "plan_lines", "print_plan", "print_written"]
@@ -35,7 +37,7 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
     lightning = lightning_settings(plan)
     trainer = ", ".join(f"{k}={v}" for k, v in lightning["trainer"].items())
     lines = [
-        f"HF TrainingArguments: {' '.join(hf_flags(plan, deepspeed, strategy))}",
+        f"HF TrainingArguments: {shlex.join(hf_flags(plan, deepspeed, strategy))}",
         f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})",
         f"torchrun: {torchrun_command(plan, script)}",
     ]

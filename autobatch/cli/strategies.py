@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import AutobatchError
 from ..strategy import Strategy, parse_strategies
 
-__all__ = ["strategies_from_options", "find_strategies", "strategy_table", "print_strategy_rows", "NoFit",
+__all__ = ["strategies_from_options", "user_deepspeed_config", "find_strategies", "strategy_table", "print_strategy_rows", "NoFit",
            "estimate_strategies"]
 
 
@@ -33,6 +33,13 @@ def strategies_from_options(strategy: str | None, offload: str | None, fsdp_unit
     return parse_strategies(strategy, offload=offload, unit=fsdp_unit)
 
 
+def user_deepspeed_config(path: str | None) -> dict[str, Any] | None:
+    """The DeepSpeed file ``--deepspeed`` names, when it exists already (its bucket sizes are probed)."""
+    from ..configs.deepspeed import read_deepspeed_config
+
+    return read_deepspeed_config(path) if path and Path(path).exists() else None
+
+
 def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, gpus: int | None,
                     deepspeed: str | None, options: dict[str, Any], planning: dict[str, Any],
                     on_trial: Any = None) -> list[Any]:
@@ -41,11 +48,10 @@ def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, 
     When several are compared, one under which nothing fits becomes a :class:`NoFit` row; a single
     strategy raises its error.
     """
-    from ..configs.deepspeed import read_deepspeed_config
     from ..errors import NoBatchFitsError
     from ..pipeline import find_plan
 
-    user_config = read_deepspeed_config(deepspeed) if deepspeed and Path(deepspeed).exists() else None
+    user_config = user_deepspeed_config(deepspeed)
     found: list[Any] = []
     for chosen in strategies:
         try:

@@ -37,10 +37,13 @@ from ..probing.probe import (
 from ..probing.search import predict_batch, search_max
 from ..probing.trial import Trial, run_trial
 from ..probing.workload import Workload
+from ..strategy import Strategy, parse_strategy
 from ..units import format_bytes
 from .ddp import ddp_for_trials
 from .launch import DEFAULT_TIMEOUT_S
 from .result import DistributedProbeResult, RankFailedError, RankReport
+from .sharded_trial import run_sharded_trial
+from .simulated_world import sharding_report
 
 __all__ = ["probe_distributed"]
 
@@ -208,6 +211,8 @@ def probe_distributed(
     local_rank: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
     timeout_s: float | None = None,
+    strategy: Strategy | str | None = None,
+    deepspeed_config: dict[str, Any] | None = None,
 ) -> DistributedProbeResult:
     """Probe the largest per-rank batch on every rank of the process group, in lockstep.
 
@@ -228,6 +233,12 @@ def probe_distributed(
         timeout_s: seconds a rank waits for the others at each agreement before it stops with
             one clear error (whatever the process group's own timeout); default
             :data:`DEFAULT_TIMEOUT_S`.
+        strategy: ``"ddp"``, ``"fsdp2"``, ``"fsdp1"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``:
+            each trial wraps a fresh copy of the model as that strategy shards it over this
+            process group (:func:`~autobatch.distributed.sharded_trial.run_sharded_trial`), and
+            decides fit at the step's end, so no rank leaves the others inside a collective on a
+            simulated budget. ``wrap`` is then ignored.
+        deepspeed_config: the user's DeepSpeed config, whose bucket sizes a ZeRO strategy uses.
 
     Example:
         >>> # torchrun --nproc-per-node 2 script.py, with in script.py:
@@ -240,6 +251,7 @@ def probe_distributed(
             "probe_distributed needs an initialized torch.distributed process group, but there is none; "
             "run under torchrun, or inside `with autobatch.distributed.process_group():`, or use autobatch.probe"
         )
+    chosen = parse_strategy(strategy) if strategy is not None else None
     if wrap not in (None, "ddp"):
         raise AutobatchError(f"wrap must be 'ddp' or None, but got wrap={wrap!r}")
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
@@ -247,7 +259,7 @@ def probe_distributed(
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
-    use_ddp = wrap == "ddp" and world > 1
+    use_ddp = wrap == "ddp" and world > 1 and chosen is None
 
     model = error = None
     needed = min_batch or 1
@@ -277,11 +289,17 @@ def probe_distributed(
         raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
     headroom_bytes = resolve_headroom(headroom, capacity)
     local_trials: list[list[Trial]] = [[] for _ in range(world)]
+    breakdowns: dict[int, Any] = {}
+    configs: dict[int, dict[str, Any]] = {}
 
     def run(batch: int, net: torch.nn.Module) -> Trial:
         mine = failure = None
         try:
-            mine = run_trial(workload, net, backend, batch)
+            if chosen is None:
+                mine = run_trial(workload, net, backend, batch)
+            else:  # a fresh wrapped copy of the (CPU) model per trial, on this process group
+                done = run_sharded_trial(workload, model, chosen, backend, batch, deepspeed_config=deepspeed_config)
+                mine, breakdowns[batch], configs[batch] = done.trial, done.breakdown, done.config
         except Exception as exc:  # run_trial turned OOM into a trial already
             failure = exc
         shared = _share_trial(comm, mine)
@@ -300,12 +318,13 @@ def probe_distributed(
         # Moving the weights, and DDP's buckets, can run out of memory on one rank while the others
         # would wait for it in DDP's collectives: agree on that too.
         net = error = None
-        try:
-            net = stack.enter_context(
-                borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
-        except Exception as exc:
-            error = weights_error(exc, backend, "the model's weights")
-        _agree_on_errors(comm, error, "moving the model to its device")
+        if chosen is None:  # a sharded trial wraps its own copy; the model stays where it is
+            try:
+                net = stack.enter_context(
+                    borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+            except Exception as exc:
+                error = weights_error(exc, backend, "the model's weights")
+            _agree_on_errors(comm, error, "moving the model to its device")
         if use_ddp:
             try:
                 net = stack.enter_context(ddp_for_trials(net, backend))
@@ -351,6 +370,8 @@ def probe_distributed(
         fixed_bytes=summary.fixed_bytes,
         safe_peak_bytes=summary.safe_peak_bytes,
         safe_peak_measured=summary.safe_peak_measured,
-        wrapped="ddp" if use_ddp else None,
+        wrapped="ddp" if use_ddp else None if chosen is None else chosen.label,
         workload=workload.name,
+        extra={} if chosen is None else {"sharding": sharding_report(
+            chosen, world, breakdowns.get(outcome.max_batch), configs.get(outcome.max_batch), simulated=False)},
     )

@@ -74,7 +74,7 @@ class DistributedProbeResult(BatchResult):
     ranks: tuple[RankReport, ...]
     limiting_ranks: tuple[int, ...]   # ranks that ran out of memory at max_batch + 1
     safe_peak_measured: bool
-    wrapped: str | None               # "ddp" when trials ran under DistributedDataParallel
+    wrapped: str | None               # "ddp" under DistributedDataParallel; a strategy's label when sharded
 
     def _details(self) -> dict[str, Any]:
         return {
@@ -94,11 +94,12 @@ class DistributedProbeResult(BatchResult):
         common = {f.name: getattr(self, f.name) for f in fields(BatchResult) if f.name != "extra"}
         return ProbeResult(
             **common, device=self.ranks[limiting].device, safe_peak_measured=self.safe_peak_measured,
-            extra={"distributed": {k: v for k, v in self._details().items() if k in ("world_size", "wrapped", "limiting_ranks", "ranks")}},
+            extra={**self.extra, "distributed": {k: v for k, v in self._details().items()
+                                                 if k in ("world_size", "wrapped", "limiting_ranks", "ranks")}},
         )
 
     def __str__(self) -> str:
-        how = " under DDP" if self.wrapped == "ddp" else ""
+        how = " under DDP" if self.wrapped == "ddp" else f" under {self.wrapped}" if self.wrapped else ""
         if self.limited_by == "max_batch":
             limit = "the max_batch cap"
         else:

@@ -59,7 +59,16 @@ class ShardedTrial:
 
 
 def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn.Module:
-    model = copy.deepcopy(template)
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    memo: dict[int, Any] = {}
+    for p in template.parameters():
+        if isinstance(p, FakeTensor):  # fake weights hold no data: share them (wrapping replaces them anyway)
+            memo[id(p)] = torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    for b in template.buffers():
+        if isinstance(b, FakeTensor):
+            memo[id(b)] = b
+    model = copy.deepcopy(template, memo)
     for p in model.parameters():
         p.grad = None
     model.train()

@@ -157,7 +157,10 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device.type, (world,))
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the mesh is a real tensor even when the trial runs on fake ones
+            mesh = init_device_mesh(device.type, (world,))
         model.to(device)
         for unit in units:
             fully_shard(unit, mesh=mesh)

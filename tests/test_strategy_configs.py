@@ -103,3 +103,21 @@ def test_hf_arguments_carry_fsdp_or_deepspeed():
 def test_a_deepspeed_file_cannot_carry_fsdp():
     with pytest.raises(AutobatchError, match="the plan was probed under fsdp2"):
         zero_section(Strategy("fsdp2"))
+
+
+def test_importing_deepspeed_for_a_probe_prints_nothing_on_stdout() -> None:
+    """`find --json` keeps stdout for its one object: DeepSpeed's import-time log goes to stderr."""
+    import subprocess
+    import sys
+
+    from tests.extras import need
+
+    need("deepspeed")
+    code = ("import logging, sys; from autobatch.distributed.zero import _deepspeed; _deepspeed(); "
+            "h = [h for h in logging.getLogger('DeepSpeed').handlers if hasattr(h, 'stream')]; "
+            "print(all(x.stream is sys.stdout for x in h), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert "Setting accelerator" in done.stderr  # said, on stderr
+    assert done.stderr.strip().endswith("True")  # and its handler writes to stdout again afterwards

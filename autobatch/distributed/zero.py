@@ -15,9 +15,10 @@ is not built either (gloo or the fake group carry the collectives).
 from __future__ import annotations
 
 import copy
+import logging
 import sys
-from collections.abc import Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, redirect_stdout
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,13 +105,37 @@ def zero_config(model: torch.nn.Module, strategy: Strategy, *, batch: int, world
 
 
 def _deepspeed() -> Any:
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    logger = logging.getLogger("DeepSpeed")
+    before, stdout = list(logger.handlers), sys.stdout
     try:
-        import deepspeed
+        # DeepSpeed logs to stdout, once at import ("Setting accelerator to CPU"); stdout may be
+        # `--json`'s one object: the import logs to stderr, then its handler is put back on stdout.
+        with redirect_stdout(sys.stderr):
+            import deepspeed
     except ImportError:
         raise MissingDependencyError(
             "probing a ZeRO strategy needs deepspeed, which is not installed; pip install 'autobatch[deepspeed]'"
         ) from None
+    for handler in logger.handlers:
+        if handler not in before and isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+            handler.setStream(stdout)
     return deepspeed
+
+
+@contextmanager
+def _logs_on_stderr() -> Iterator[None]:
+    """DeepSpeed's stdout handlers write to stderr meanwhile (stdout may carry ``--json``), then as before."""
+    logger = logging.getLogger("DeepSpeed")
+    moved = [h for h in logger.handlers if isinstance(h, logging.StreamHandler) and h.stream is sys.stdout]
+    for handler in moved:
+        handler.setStream(sys.stderr)
+    try:
+        yield
+    finally:
+        for handler in moved:
+            handler.setStream(sys.stdout)
 
 
 @contextmanager
@@ -147,8 +172,11 @@ class _Globals:
                       if k.startswith("_") and k[1:2].isupper() and (v is None or isinstance(v, dict))}
         self.stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
         self.depth = len(self.stack) if isinstance(self.stack, list) else 0
+        self.cuda_device: int | None = None  # the caller's current GPU, set back when the trial ends
 
     def destroy(self) -> None:
+        if self.cuda_device is not None:
+            torch.cuda.set_device(self.cuda_device)
         for key, value in self.saved.items():
             setattr(self.groups, key, copy.copy(value))
         if isinstance(self.stack, list):
@@ -167,8 +195,6 @@ class _Globals:
 def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workload, device: torch.device, *,
                    batch: int, user_config: Mapping[str, Any] | None = None) -> Wrapped:
     """``deepspeed.initialize`` on ``model`` with :func:`zero_config` and the workload's torch optimizer."""
-    import logging
-
     import torch.distributed as dist
 
     from .sharding import Wrapped
@@ -184,10 +210,11 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
     level = logger.level
     logger.setLevel(logging.ERROR)  # it logs its whole config at INFO on every initialize
     try:
-        if device.type == "cuda":
+        if device.type == "cuda":  # deepspeed.initialize takes the current GPU as the engine's
+            saved_globals.cuda_device = torch.cuda.current_device()
             torch.cuda.set_device(device)
         optimizer = make_optimizer(workload.optimizer, [p for p in model.parameters() if p.requires_grad])
-        with _no_shm_comm():
+        with _no_shm_comm(), _logs_on_stderr():
             engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     finally:
         logger.setLevel(level)

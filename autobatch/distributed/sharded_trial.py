@@ -19,6 +19,7 @@ import copy
 import gc
 import time
 import traceback
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -101,7 +102,11 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
     """
     capacity = backend.capacity()
     backend.release()
-    with torch.random.fork_rng(devices=[backend.device.index or 0] if backend.device.type == "cuda" else []):
+    devices = [backend.device.index or 0] if backend.device.type == "cuda" else []
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
+        # FSDP and DeepSpeed call collectives torch has renamed: its deprecation notes, once per
+        # trial, say nothing about the user's setup (the filters are undone when the trial ends).
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         model = _copy_model(template, workload.grad_checkpointing)
         wrapped: Wrapped | None = None
         error = config = None

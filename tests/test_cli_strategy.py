@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autobatch.cli import app
+from tests.extras import need
 
 runner = CliRunner()
 
@@ -18,7 +19,7 @@ def invoke(*args: str):
 
 
 def test_find_compares_strategies_one_row_each():
-    pytest.importorskip("deepspeed", reason="zero3 needs the deepspeed extra")
+    need("deepspeed")
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "4",
                  "--strategy", "ddp,fsdp2,zero3", "--max-batch", "3", "--json")
     assert res.exit_code == 0, res.output

@@ -20,6 +20,7 @@ from autobatch.strategy import (
     strategy_from_deepspeed,
 )
 from tests.deepspeed_parse import deepspeed_parse
+from tests.extras import need
 
 PLAN = Plan(6, 2, gpus_per_node=4)
 
@@ -62,7 +63,7 @@ def test_deepspeed_file_carries_the_stage_and_deepspeeds_parser_reads_it(strateg
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "zero2", "zero3+optimizer"])
 def test_accelerate_loader_reads_the_strategy(strategy, tmp_path):
-    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    config_args = need("accelerate.commands.config.config_args")
     name, _, offload = strategy.partition("+")
     chosen = parse_strategy(name, offload=offload or None, unit="GPT2Block" if name.startswith("fsdp") else None)
     yaml_path = tmp_path / "accelerate.yaml"
@@ -87,7 +88,7 @@ def test_accelerate_with_a_deepspeed_file_reads_the_stage_from_the_file(tmp_path
 
 
 def test_hf_arguments_carry_fsdp_or_deepspeed():
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     fsdp = hf_training_args(PLAN, strategy=Strategy("fsdp2", unit="GPT2Block"))
     assert fsdp["fsdp"] == "full_shard auto_wrap"
     assert fsdp["fsdp_config"] == {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
@@ -109,8 +110,6 @@ def test_importing_deepspeed_for_a_probe_prints_nothing_on_stdout() -> None:
     """`find --json` keeps stdout for its one object: DeepSpeed's import-time log goes to stderr."""
     import subprocess
     import sys
-
-    from tests.extras import need
 
     need("deepspeed")
     code = ("import logging, sys; from autobatch.distributed.zero import _deepspeed; _deepspeed(); "

@@ -42,11 +42,12 @@ def user_deepspeed_config(path: str | None) -> dict[str, Any] | None:
 
 def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, gpus: int | None,
                     deepspeed: str | None, options: dict[str, Any], planning: dict[str, Any],
-                    on_trial: Any = None) -> list[Any]:
+                    on_trial: Any = None, setup: Any = None) -> list[Any]:
     """One :class:`~autobatch.pipeline.Finding` per strategy, each probed as rank 0 of the data-parallel world.
 
     When several are compared, one under which nothing fits becomes a :class:`NoFit` row; a single
-    strategy raises its error.
+    strategy raises its error. ``setup(strategy)``, when given, returns the workload and backend
+    for that strategy instead of ``workload`` and ``backend``.
     """
     from ..errors import NoBatchFitsError
     from ..pipeline import find_plan
@@ -54,6 +55,8 @@ def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, 
     user_config = user_deepspeed_config(deepspeed)
     found: list[Any] = []
     for chosen in strategies:
+        if setup is not None:
+            workload, backend = setup(chosen)
         try:
             found.append(find_plan(workload, gpus_per_node=gpus or 1, backend=backend, max_batch=options["max_batch"],
                                    min_micro=options["min_batch"], headroom=options["headroom"], strategy=chosen,
@@ -119,36 +122,54 @@ def print_strategy_rows(findings: list[Any], device_line: str, *, as_json: bool)
 def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, load: dict[str, Any],
                         settings: dict[str, Any], options: dict[str, Any], planning: dict[str, Any],
                         outputs: dict[str, Any], as_json: bool) -> None:
-    """``estimate --strategy``: real sharded steps here against the GPU's usable memory, one row each.
+    """``estimate --strategy``: rank 0 of W's sharded steps against the GPU's usable memory, one row each.
 
-    Not a fake-tensor trace: the model and rank 0's shards are real tensors on this machine's CPU,
-    so this costs the CPU memory and time of rank 0's training step (said so in the output).
-    With one strategy and ``--target``, the plan is solved and the configs are written with it.
+    FSDP (fsdp2, fsdp1) trains on fake tensors (:func:`~autobatch.estimating.estimate.fake_backend`):
+    no memory, seconds at any size. DDP's reducer and DeepSpeed's engine read their tensors' data,
+    so those strategies run real steps on this machine's CPU (rank 0's share of its memory and
+    time); the output says which. With one strategy and ``--target``, the plan is solved and the
+    configs are written with it.
     """
     import json
 
+    import torch
     import typer
 
     from ..configs import write_plan_configs
+    from ..estimating.estimate import fake_backend, gpu_attention_backend, load_fake_model
     from ..models import load_model
-    from ..probing.backends import SimulatedBackend
     from ..units import format_bytes
     from ._app import outputs as written_so_far
     from .output import console, plan_lines, print_written
 
     usable = spec.usable_bytes
     gpus = planning.pop("gpus_per_node")
-    workload = load_model(model, **load).to_workload(**settings)
-    findings = find_strategies(workload, strategies, SimulatedBackend(usable), gpus=gpus,
-                               deepspeed=outputs["deepspeed"], options=options, planning=planning)
+    how: dict[str, str] = {}
+
+    def setup(chosen: Strategy) -> tuple[Any, Any]:
+        if chosen.is_fsdp:
+            workload = load_fake_model(model, **load).to_workload(**settings)
+            template = workload.model if isinstance(workload.model, torch.nn.Module) else None
+            backend = None if template is None else fake_backend(template, usable)
+            if backend is not None:
+                how[chosen.label] = "a fake-tensor trace"
+                return workload, backend
+        how[chosen.label] = "real steps on this CPU"
+        typer.echo(f"note: {chosen.label} runs real steps on this CPU (its wrapper reads its tensors' data, so it "
+                   "cannot be traced on fake tensors): minutes for a large model", err=True)
+        return load_model(model, **load).to_workload(**settings), gpu_attention_backend(usable)
+
+    findings = find_strategies(None, strategies, None, gpus=gpus, deepspeed=outputs["deepspeed"], options=options,
+                               planning=planning, setup=setup)
+    said = "; ".join(f"{label}: {way}" for label, way in how.items())
     world = gpus * planning["nodes"] // planning["model_parallel"]
     if len(findings) > 1:
         if as_json:
             typer.echo(json.dumps({"estimated": True, "gpu": spec.to_dict(),
                                    "strategies": [f.to_dict() for f in findings]}, indent=2, ensure_ascii=False))
             return
-        print_strategy_rows(findings, f"estimated for {spec.name}: real sharded steps on this CPU as rank 0 of "
-                                      f"{world}, against its usable {format_bytes(usable)}", as_json=False)
+        print_strategy_rows(findings, f"estimated for {spec.name}, as rank 0 of {world} against its usable "
+                                      f"{format_bytes(usable)} ({said}; no GPU used)", as_json=False)
         return
     finding = findings[0]
     written: dict[str, str] = {}
@@ -163,8 +184,8 @@ def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, lo
                               ensure_ascii=False))
         return
     out = console()
-    out.print(f"note: estimated for {spec.name}: real sharded steps on this CPU as rank 0 of {world}, against its "
-              f"usable {format_bytes(usable)} (no GPU used; no allocator overheads added)", highlight=False, markup=False)
+    out.print(f"note: estimated for {spec.name}, as rank 0 of {world} against its usable {format_bytes(usable)} "
+              f"({said}; no GPU used; no allocator overheads added)", highlight=False, markup=False)
     out.print(strategy_table([finding]))
     out.print(str(finding.probe), highlight=False, markup=False)
     out.print("plan (estimated): " + finding.plan.describe(), highlight=False, markup=False)

@@ -63,12 +63,12 @@ def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn
     from torch._subclasses.fake_tensor import FakeTensor
 
     memo: dict[int, Any] = {}
-    for p in template.parameters():
-        if isinstance(p, FakeTensor):  # fake weights hold no data: share them (wrapping replaces them anyway)
-            memo[id(p)] = torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-    for b in template.buffers():
-        if isinstance(b, FakeTensor):
-            memo[id(b)] = b
+    for t in [*template.parameters(), *template.buffers()]:
+        if isinstance(t, FakeTensor):  # fake weights hold no data: a fresh fake tensor of each costs nothing
+            with t.fake_mode:
+                fresh = torch.empty_like(t)
+            memo[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else fresh
     model = copy.deepcopy(template, memo)
     for p in model.parameters():
         p.grad = None

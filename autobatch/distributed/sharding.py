@@ -49,6 +49,12 @@ class Wrapped:
         gc.collect()
 
 
+def _to(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to(device)``, skipped when every tensor is there already (fake tensors cannot be swapped in place)."""
+    if any(t.device != device for t in [*model.parameters(), *model.buffers()]):
+        model.to(device)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a parameter this rank holds: a DTensor's local shard, ZeRO-3's partition, else itself."""
     local = getattr(tensor, "_local_tensor", None)
@@ -143,7 +149,7 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
     if strategy.name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        model.to(device)
+        _to(model, device)
         device_ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids) if world > 1 else model
         if world > 1 and dist.get_backend() == "fake":
@@ -161,7 +167,7 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
 
         with _disable_current_modes():  # the mesh is a real tensor even when the trial runs on fake ones
             mesh = init_device_mesh(device.type, (world,))
-        model.to(device)
+        _to(model, device)
         for unit in units:
             fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)

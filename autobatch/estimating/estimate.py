@@ -43,7 +43,7 @@ from ..units import format_bytes
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads
 
-__all__ = ["Estimate", "estimate", "trace_trial", "fake_model", "load_fake_model"]
+__all__ = ["Estimate", "estimate", "trace_trial", "fake_model", "load_fake_model", "fake_backend", "gpu_attention_backend"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,8 +109,10 @@ class _FusedAttention(TorchFunctionMode):
             q, k, v = args[:3]
             options = {**dict(zip(self._NAMES, args[3:])), **kwargs}
             if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:  # grouped-query heads: leave to the math path
+                # Without dropout: the CPU kernel takes none on real tensors, and a GPU's fused
+                # kernel keeps no dropout mask (it regenerates it), so the memory is the same.
                 out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, options.get("dropout_p", 0.0), options.get("is_causal", False),
+                    q, k, v, 0.0, options.get("is_causal", False),
                     attn_mask=options.get("attn_mask"), scale=options.get("scale"),
                 )
                 return out
@@ -124,8 +126,10 @@ class _FakeBackend(SimulatedBackend):
     ``reset_peak``/``peak``/``allocated_bytes`` are the simulated backend's own.
     """
 
-    def __init__(self, fake_mode: Any, fused_attention: bool):
-        super().__init__(1 << 62)  # no budget: the search's capacity is the GPU's, not this one's
+    def __init__(self, fake_mode: Any, fused_attention: bool, capacity: int = 1 << 62):
+        # By default no budget: the search's capacity is the GPU's, not this one's. A sharded
+        # trial (track_deferred) compares its peak with ``capacity`` at the step's end instead.
+        super().__init__(capacity)
         self.fake_mode = fake_mode
         self.fused_attention = fused_attention
 
@@ -142,6 +146,46 @@ class _FakeBackend(SimulatedBackend):
             self._tracker.reset_peak()
             stack.enter_context(self._tracker)
             yield
+
+    @contextmanager
+    def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self.fake_mode)
+            if self.fused_attention:
+                stack.enter_context(_FusedAttention())
+            stack.enter_context(super().track_deferred(resident))
+            yield
+
+
+class _GpuAttention(SimulatedBackend):
+    """A simulated budget on real CPU tensors whose trials run attention as a GPU would (fused)."""
+
+    @contextmanager
+    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with _FusedAttention(), super().track(resident):
+            yield
+
+    @contextmanager
+    def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with _FusedAttention(), super().track_deferred(resident):
+            yield
+
+
+def gpu_attention_backend(capacity: int) -> SimulatedBackend:
+    """A simulated ``capacity`` for real CPU steps that estimate a GPU: attention takes the fused
+    kernel's memory, as on the GPU and as in the fake-tensor trace, not the CPU's math path."""
+    return _GpuAttention(capacity)
+
+
+def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool = True) -> SimulatedBackend | None:
+    """A backend whose trials run ``model``'s step on fake tensors against ``capacity``; ``None``
+    when ``model`` is not built on fake tensors (see :func:`load_fake_model`).
+
+    Sharded trials (:func:`autobatch.probe_sharded`) on it cost no memory and the same time at
+    any batch; they decide fit at the step's end from the traced peak.
+    """
+    mode = _mode_of(model)
+    return None if mode is None else _FakeBackend(mode, fused_attention, capacity)
 
 
 def _new_fake_mode() -> Any:

@@ -150,3 +150,67 @@ def test_lightnings_own_finder_on_the_same_model_and_budget() -> None:
     run = tools.run_lightning(work, "240KiB", "binsearch")
     assert [b for b, _ in run.tried] == [2, 4, 8, 16, 32, 64, 128, 96, 112, 120, 116, 114, 113]
     assert (run.returned, run.trials, run.steps) == (106, 13, 29)  # 5 % under the 112 it saw train
+
+
+# -- guard=True: a rare long batch is split inside its training step -------------------------------
+
+VOCAB, SHORT, LONG = 64, 16, 64
+
+
+class Tokens(pl.LightningDataModule):
+    """80 sequences in batches of 8: the 4th batch of each ten is 4× longer (one length per batch, no padding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_size = 2
+        g = torch.Generator().manual_seed(1)
+        self.rows = [torch.randint(0, VOCAB, (LONG if (i // 8) % 10 == 3 else SHORT,), generator=g) for i in range(80)]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.rows, batch_size=self.batch_size)
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def training_step(self, ids, batch_idx):  # the mean over the batch's tokens: every row has the same length
+        h = self.emb(ids[:, :-1])
+        logits = self.head(h + self.mlp(h))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit_tokens(budget: str, guard: bool) -> tuple[TinyLM, AutoBatch, pl.Trainer]:
+    """Probe at the usual (short) length, then train 5 steps of 8 × 2 accumulation, all on ``budget``."""
+    from autobatch import SimulatedBackend
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    callback = AutoBatch(target=16, memory="8MiB", max_batch=8, guard=guard,
+                         make_batch=lambda b: torch.randint(0, VOCAB, (b, SHORT)))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    with SimulatedBackend(budget).track(list(model.parameters())):  # the fit itself runs on the simulated device
+        trainer.fit(model, datamodule=Tokens())
+    return model, callback, trainer
+
+
+def test_guard_splits_the_long_batch_and_trains_to_the_same_weights(caplog) -> None:
+    reference, _, _ = fit_tokens("64MiB", guard=False)  # every batch fits whole
+    with caplog.at_level(logging.WARNING, logger="autobatch.guard"):
+        model, callback, trainer = fit_tokens("600KiB", guard=True)
+    assert (callback.plan.micro_batch, callback.plan.grad_accum) == (8, 2)
+    # batch 4 (the long one, 2nd of its accumulation window) ran out of memory whole and at 2 pieces; 4 went through
+    assert [(s.step, s.pieces, s.attempts) for s in callback.guard.history] == [(4, 4, 3)]
+    assert callback.guard.steps == 10 and trainer.global_step == 5
+    assert "step 4 went through as 4 micro-batches per batch after 3 attempt(s)" in caplog.text
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert ((a - b).norm() / a.norm()).item() <= 1e-5, name
+    assert "training_step" not in model.__dict__ and "backward" not in model.__dict__  # removed after fit
+

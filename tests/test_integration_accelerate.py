@@ -133,3 +133,43 @@ def test_other_errors_pass_through_and_the_batch_size_is_not_passed_twice() -> N
         find_executable_batch_size(training_function, starting_batch_size=8)(8, None)
     with pytest.raises(AutobatchError, match="starting_batch_size must be a positive integer"):
         find_executable_batch_size(training_function, starting_batch_size=0)
+
+
+def test_guard_keeps_the_decorated_run_alive_through_a_rare_long_batch() -> None:
+    """One batch in ten is 4× longer; with the guard the run at the starting batch completes (no restart) and
+    trains, through accelerator.backward and 2-step accumulation, to the weights of a budget that fits them all."""
+    from accelerate import Accelerator
+
+    from autobatch.integrations.accelerate import guard
+    from tests.test_guard import LM, data, loss_fn
+
+    def run(budget: str, guarded: bool):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+
+        @find_executable_batch_size(starting_batch_size=8, backend=SimulatedBackend(budget))
+        def train(batch_size: int):
+            torch.manual_seed(0)
+            model = LM()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, optimizer = accelerator.prepare(model, optimizer)
+            step = guard(accelerator, model, loss_fn, shift=True)
+            for batch in data():
+                assert len(batch["input_ids"]) == batch_size
+                with accelerator.accumulate(model):
+                    if guarded:
+                        step.backward(batch)
+                    else:
+                        losses, mask = loss_fn(model, batch)
+                        accelerator.backward(losses[mask].sum() / mask.sum())
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return accelerator.unwrap_model(model), step
+
+        return train(), train.batch_sizes
+
+    (reference, _), _ = run("8MiB", guarded=False)
+    (model, step), called = run("600KiB", guarded=True)
+    assert called == [8]  # the first run went through: nothing restarted it smaller
+    assert [(s.step, s.pieces, s.attempts) for s in step.history] == [(4, 4, 3)] and step.steps == 10
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert ((a - b).norm() / a.norm()).item() <= 1e-5, name

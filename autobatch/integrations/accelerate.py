@@ -19,8 +19,9 @@ and:
 Build the model and optimizer inside the function, as accelerate's own example does: each trial
 then starts from fresh weights. Modules passed as arguments are restored after each trial.
 A later out-of-memory error in the real run (a rare long batch, evaluation) falls back to
-``reduce_batch_size_fn`` (default ``0.9 ×``); see :class:`autobatch.guard.OOMGuard` to split such
-a step instead of restarting. Ranks agree *after* each trial: a rank that runs out of memory
+``reduce_batch_size_fn`` (default ``0.9 ×``); :func:`guard` splits such a step instead of
+restarting: an :class:`~autobatch.guard.OOMGuard` whose micro-batches go through
+``accelerator.backward``. Ranks agree *after* each trial: a rank that runs out of memory
 inside one of the function's own collectives still leaves the others waiting until the group's
 timeout, as with accelerate's decorator.
 """
@@ -46,6 +47,7 @@ from torch.optim.optimizer import (
 
 from ..distributed.lockstep import _agreed, _share_trial
 from ..errors import AutobatchError
+from ..guard import OOMGuard
 from ..planning.plan import Plan, require_positive_int
 from ..planning.solver import solve
 from ..probing.backends import CudaBackend, MemoryBackend
@@ -55,7 +57,7 @@ from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
 from ._common import world
 
-__all__ = ["find_executable_batch_size", "TrialStop"]
+__all__ = ["find_executable_batch_size", "TrialStop", "guard"]
 
 log = logging.getLogger("autobatch.integrations.accelerate")
 
@@ -229,6 +231,35 @@ def find_executable_batch_size(
 
     decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
     return decorator
+
+
+def guard(accelerator: Any, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], Any], **options: Any) -> OOMGuard:
+    """An :class:`~autobatch.guard.OOMGuard` for a loop under ``accelerator``: ``guard.backward(batch)`` replaces
+    the forward and ``accelerator.backward(loss)``.
+
+    Each micro-batch's normalised loss goes through ``accelerator.backward`` (which divides by the
+    accelerator's gradient accumulation and applies its grad scaler), and gradients of earlier
+    batches of an ``accelerator.accumulate`` window are kept (``accumulate=True``). A batch that
+    runs out of memory is split; the update stays the whole batch's, so a decorated function
+    keeps its batch size instead of being restarted smaller. ``options`` go to ``OOMGuard``
+    (``shift``, ``label_key``, ``max_splits``, …). DeepSpeed keeps the gradients inside its engine,
+    out of the guard's reach: it is refused.
+
+    Example::
+
+        step = guard(accelerator, model, lambda m, b: token_cross_entropy(m(b["input_ids"]), b["labels"], shift=True), shift=True)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                step.backward(batch)
+                optimizer.step()
+                optimizer.zero_grad()
+    """
+    if getattr(accelerator, "distributed_type", None) == "DEEPSPEED":  # a str enum
+        raise AutobatchError(
+            "guard needs the gradients in the parameters' .grad, but DeepSpeed keeps them inside its engine; "
+            "leave the guard out under DeepSpeed, or train with DDP/FSDP"
+        )
+    return OOMGuard(model, loss_fn, backward_fn=accelerator.backward, accumulate=True, **options)
 
 
 def _plan(target: int, processes: int, cap: int) -> Plan:

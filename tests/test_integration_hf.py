@@ -101,3 +101,65 @@ def test_deepspeed_explicit_values_follow_the_plan_and_auto_stays() -> None:
 def test_needs_something_to_build_batches_from(gpt2, tmp_path) -> None:
     with pytest.raises(AutobatchError, match="needs a sample"):
         fit_training_args(arguments(tmp_path), gpt2, memory="3MiB")
+
+
+# -- guard=True: a rare long batch is split inside the Trainer's own training_step --------------------
+
+SHORT, LONG = 16, 64
+
+
+class Varying(torch.utils.data.Dataset):
+    """80 sequences read in order: the 4th batch of 8 in each ten is 4× longer (one length per batch)."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.rows = [torch.randint(0, 128, (LONG if (i // 8) % 10 == 3 else SHORT,), generator=g) for i in range(80)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def train_varying(tmp_path, budget: str, guard: bool, items_kwarg: bool):
+    """Probe at the short length (plan 8 × 2 for 16), then 5 optimizer steps on the simulated ``budget``."""
+    from autobatch import SimulatedBackend
+
+    config = transformers.GPT2Config(vocab_size=128, n_positions=LONG, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    # SGD: the attention's key bias has a zero gradient up to rounding, which Adam would blow up to lr-sized steps.
+    args = arguments(tmp_path, per_device_train_batch_size=4, max_steps=5, learning_rate=0.1, optim="sgd",
+                     train_sampling_strategy="sequential", logging_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Varying())
+    trainer.model_accepts_loss_kwargs = items_kwarg  # False: the Trainer averages per batch; the guard weighs pieces
+    short = {"input_ids": torch.zeros(SHORT, dtype=torch.long), "labels": torch.zeros(SHORT, dtype=torch.long)}
+    callback = AutoBatchCallback(target=16, sample=short, memory="64MiB", max_batch=8, eval_batch=False, guard=guard)
+    callback.attach(trainer)
+    with SimulatedBackend(budget).track(list(model.parameters())):  # the training itself runs on the simulated device
+        trainer.train()
+    return model, callback, trainer
+
+
+@pytest.mark.parametrize("items_kwarg", [True, False], ids=["num_items_in_batch", "mean_per_batch"])
+def test_guard_splits_the_long_batch_and_trains_to_the_same_weights(tmp_path, items_kwarg, caplog) -> None:
+    reference, _, _ = train_varying(tmp_path, "64MiB", guard=False, items_kwarg=items_kwarg)  # every batch fits whole
+    with caplog.at_level(logging.WARNING, logger="autobatch"):
+        model, callback, trainer = train_varying(tmp_path, "1MiB", guard=True, items_kwarg=items_kwarg)
+    assert (callback.plan.micro_batch, callback.plan.grad_accum) == (8, 2) and trainer.state.global_step == 5
+    # the long batch (4th, the 2nd of its accumulation window) ran out of memory whole and in 2 pieces
+    assert [(s.step, s.pieces, s.attempts) for s in callback.guard.history] == [(4, 4, 3)] and callback.guard.steps == 10
+    assert "training step 4 went through as 4 micro-batches after 3 attempt(s)" in caplog.text
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert ((a - b).norm() / a.norm()).item() <= 1e-5, name
+
+
+def test_guard_refuses_deepspeed(gpt2, tmp_path) -> None:
+    from autobatch.integrations.hf import guard_trainer
+
+    trainer = transformers.Trainer(model=gpt2, args=arguments(tmp_path), train_dataset=Rows())
+    trainer.is_deepspeed_enabled = True  # what the Trainer sets from args.deepspeed, without starting DeepSpeed
+    with pytest.raises(AutobatchError, match="DeepSpeed keeps them inside its engine"):
+        guard_trainer(trainer)

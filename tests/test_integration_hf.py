@@ -163,3 +163,55 @@ def test_guard_refuses_deepspeed(gpt2, tmp_path) -> None:
     trainer.is_deepspeed_enabled = True  # what the Trainer sets from args.deepspeed, without starting DeepSpeed
     with pytest.raises(AutobatchError, match="DeepSpeed keeps them inside its engine"):
         guard_trainer(trainer)
+
+
+# -- DeepSpeed: transformers' own consistency processing accepts the returned arguments ---------------
+
+AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+EXPLICIT = {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "train_batch_size": 32,
+            "zero_optimization": {"stage": 2}}
+
+
+def accepted_by_transformers(args, model) -> dict:
+    """transformers' own DeepSpeed processing of ``args`` (the Trainer runs both stages); raises on a mismatch.
+
+    ``trainer_config_process`` ran when the arguments were built (it fills "auto" values and records
+    explicit ones that differ); ``trainer_config_finalize`` raises for those. No DeepSpeed engine, no op built.
+    """
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    ds = HfTrainerDeepSpeedConfig(args.deepspeed)  # fresh: what a Trainer built from these arguments reads
+    ds.trainer_config_process(args)
+    ds.trainer_config_finalize(args, model, num_training_steps=10)
+    return ds.config
+
+
+@pytest.mark.parametrize("source", ["auto dict", "auto file", "explicit file"])
+def test_deepspeed_config_stays_consistent_with_the_returned_arguments(gpt2, tmp_path, source) -> None:
+    import dataclasses
+    import json
+
+    config = AUTO if source.startswith("auto") else EXPLICIT
+    given: object = config
+    if source.endswith("file"):
+        given = tmp_path / "ds_config.json"
+        given.write_text(json.dumps(config))
+        written = given.read_bytes()
+    args = arguments(tmp_path, deepspeed=str(given) if source.endswith("file") else given)
+    accepted_by_transformers(args, gpt2)  # the user's setup is consistent to begin with: 32 × 1
+    new = fit_training_args(args, gpt2, sample=Rows()[0], memory="64MiB", max_batch=8, eval_batch=False)
+    plan = new.autobatch_plan
+    assert (plan.micro_batch, plan.grad_accum) == (8, 4)
+    filled = accepted_by_transformers(new, gpt2)
+    assert (filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"], filled["train_batch_size"]) == (8, 4, 32)
+    if source.endswith("file"):
+        assert given.read_bytes() == written  # the user's file is never rewritten
+    if source.startswith("auto"):
+        assert new.deepspeed == args.deepspeed  # nothing to change: "auto" is filled by transformers from the new values
+    else:
+        assert isinstance(new.deepspeed, dict) and new.deepspeed["zero_optimization"] == {"stage": 2}
+        # the arguments alone, with the old explicit values, are what transformers rejects
+        stale = dataclasses.replace(args, per_device_train_batch_size=8, gradient_accumulation_steps=4)
+        with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=32 vs hf per_device_train_batch_size=8"):
+            accepted_by_transformers(stale, gpt2)

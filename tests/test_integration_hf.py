@@ -215,3 +215,37 @@ def test_deepspeed_config_stays_consistent_with_the_returned_arguments(gpt2, tmp
         stale = dataclasses.replace(args, per_device_train_batch_size=8, gradient_accumulation_steps=4)
         with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu=32 vs hf per_device_train_batch_size=8"):
             accepted_by_transformers(stale, gpt2)
+
+
+def _two_rank_fit(budgets: tuple[str, str]) -> list:
+    """One rank of two (inside spawn_local's gloo group): fit_training_args on this rank's own budget."""
+    import torch.distributed as dist
+
+    import tempfile
+
+    rank = dist.get_rank()
+    config = transformers.GPT2Config(vocab_size=128, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                                              report_to=[], use_cpu=True, optim="adamw_torch")
+        new = fit_training_args(args, model, sample=Rows()[0], memory=budgets[rank], headroom=0)
+    mine = (new.world_size, new.per_device_train_batch_size, new.gradient_accumulation_steps,
+            new.per_device_eval_batch_size, new.autobatch_probe.max_batch)
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("AUTOBATCH_SLOW_TESTS"),
+                    reason="two-process gloo run; set AUTOBATCH_SLOW_TESTS=1 to include it")
+def test_two_gloo_ranks_with_different_budgets_get_the_same_arguments() -> None:
+    from autobatch.distributed import spawn_local
+
+    ranks = spawn_local(_two_rank_fit, (("8MiB", "3MiB"),), nprocs=2, backend="gloo", timeout_s=120)
+    assert ranks[0] == ranks[1]  # train and eval batches, accumulation: the same on both ranks
+    # The 3 MiB rank limits both: its max 13 (two 8 MiB ranks agree on 38, and on an eval batch of 87), and the
+    # global batch 32 × 1 × 2 ranks = 64 is kept as 8 × 4 accumulation × 2 ranks; eval 32: the smaller rank's.
+    assert ranks[0] == (2, 8, 4, 32, MAX)

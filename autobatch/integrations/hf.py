@@ -41,7 +41,7 @@ from ..probing.result import ProbeResult
 from ..probing.search import search_max
 from ..probing.trial import Trial, to_device
 from ..probing.workload import Workload, default_loss, resolve_dtype
-from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
+from ._common import batches_from_dataset, log_main, plan_for, probe_here, require, world
 
 _transformers = require("transformers", "hf", "autobatch.integrations.hf")
 
@@ -193,7 +193,9 @@ def _planned_changes(
     backend = backend or make_backend(_device_of(model, args), memory)
     result = probe_here(workload, backend, max_batch=max_batch, headroom=headroom)
     plan = plan_for(result, target, world)
-    evaluation = probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch) if eval_batch else plan.micro_batch
+    evaluation = plan.micro_batch
+    if eval_batch:  # each rank's own forward-only probe; every rank takes the smallest
+        evaluation = _smallest_on_any_rank(probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch), backend)
     changes: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -207,6 +209,16 @@ def _planned_changes(
              "devices = %d sequences per step; eval batch %d", result.max_batch, result.safe_batch, len(result.trials),
              plan.micro_batch, plan.grad_accum, world, plan.global_batch, evaluation)
     return changes, plan, result
+
+
+def _smallest_on_any_rank(value: int, backend: MemoryBackend) -> int:
+    """``value``'s minimum over the ranks of an initialized group (collective); ``value`` alone without one."""
+    if world()[1] == 1:
+        return value
+    device = backend.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    smallest = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
+    return int(smallest.item())
 
 
 def _device_of(model: torch.nn.Module, args: Any) -> torch.device:

@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any

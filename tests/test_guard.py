@@ -174,9 +174,9 @@ def test_accumulate_adds_to_earlier_gradients_and_a_failed_step_leaves_them_as_t
     guard = OOMGuard(model, loss_fn, shift=True, accumulate=True)
     guard.backward(short)
     earlier = [p.grad.clone() for p in model.parameters()]
-    with SimulatedBackend("300KiB").track(list(model.parameters()) + [p.grad for p in model.parameters()]):
-        with pytest.raises(torch.OutOfMemoryError, match="still runs out of memory"):
-            OOMGuard(model, loss_fn, shift=True, accumulate=True, max_splits=2).backward(long)
+    with SimulatedBackend("300KiB").track(list(model.parameters()) + [p.grad for p in model.parameters()]), \
+            pytest.raises(torch.OutOfMemoryError, match="still runs out of memory"):
+        OOMGuard(model, loss_fn, shift=True, accumulate=True, max_splits=2).backward(long)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), earlier))  # put back untouched
     with SimulatedBackend("600KiB").track(list(model.parameters()) + [p.grad for p in model.parameters()]):
         assert guard.backward(long).pieces == 4

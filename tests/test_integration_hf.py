@@ -3,6 +3,7 @@ arguments a real ``Trainer.train()`` then trains with; the callback form does th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -122,35 +123,49 @@ class Varying(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def train_varying(tmp_path, budget: str, guard: bool, items_kwarg: bool):
-    """Probe at the short length (plan 8 × 2 for 16), then 5 optimizer steps on the simulated ``budget``."""
+def train_varying(tmp_path, budget: str | None, guard: str | None, items_kwarg: bool):
+    """3 optimizer steps of 8 × 2 accumulation on the simulated ``budget``.
+
+    ``guard``: ``"callback"`` (AutoBatchCallback probes at the short length, plans 8 × 2 for 16 and guards),
+    ``"trainer"`` (guard_trainer on arguments set to 8 × 2), or ``None``.
+    """
     from autobatch import SimulatedBackend
+    from autobatch.integrations.hf import guard_trainer
 
     config = transformers.GPT2Config(vocab_size=128, n_positions=LONG, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
                                      eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     # SGD: the attention's key bias has a zero gradient up to rounding, which Adam would blow up to lr-sized steps.
-    args = arguments(tmp_path, per_device_train_batch_size=4, max_steps=5, learning_rate=0.1, optim="sgd",
-                     train_sampling_strategy="sequential", logging_strategy="no")
+    args = arguments(tmp_path, per_device_train_batch_size=4 if guard == "callback" else 8,
+                     gradient_accumulation_steps=1 if guard == "callback" else 2, max_steps=3, learning_rate=0.1,
+                     optim="sgd", train_sampling_strategy="sequential", logging_strategy="no")
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Varying())
     trainer.model_accepts_loss_kwargs = items_kwarg  # False: the Trainer averages per batch; the guard weighs pieces
-    short = {"input_ids": torch.zeros(SHORT, dtype=torch.long), "labels": torch.zeros(SHORT, dtype=torch.long)}
-    callback = AutoBatchCallback(target=16, sample=short, memory="64MiB", max_batch=8, eval_batch=False, guard=guard)
-    callback.attach(trainer)
-    with SimulatedBackend(budget).track(list(model.parameters())):  # the training itself runs on the simulated device
+    step = None
+    if guard == "callback":
+        short = {"input_ids": torch.zeros(SHORT, dtype=torch.long), "labels": torch.zeros(SHORT, dtype=torch.long)}
+        callback = AutoBatchCallback(target=16, sample=short, memory="64MiB", max_batch=8, eval_batch=False, guard=True)
+        callback.attach(trainer)
+        assert (callback.plan.micro_batch, callback.plan.grad_accum) == (8, 2)
+        step = callback.guard
+    elif guard == "trainer":
+        step = guard_trainer(trainer)
+    # The training itself runs on the simulated device (no budget: the reference, where every batch fits).
+    with SimulatedBackend(budget).track(list(model.parameters())) if budget else contextlib.nullcontext():
         trainer.train()
-    return model, callback, trainer
+    assert trainer.state.global_step == 3
+    return model, step
 
 
-@pytest.mark.parametrize("items_kwarg", [True, False], ids=["num_items_in_batch", "mean_per_batch"])
-def test_guard_splits_the_long_batch_and_trains_to_the_same_weights(tmp_path, items_kwarg, caplog) -> None:
-    reference, _, _ = train_varying(tmp_path, "64MiB", guard=False, items_kwarg=items_kwarg)  # every batch fits whole
+@pytest.mark.parametrize("items_kwarg, guard", [(True, "callback"), (False, "trainer")],
+                         ids=["num_items_in_batch-callback", "mean_per_batch-guard_trainer"])
+def test_guard_splits_the_long_batch_and_trains_to_the_same_weights(tmp_path, items_kwarg, guard, caplog) -> None:
+    reference, _ = train_varying(tmp_path, None, None, items_kwarg)  # every batch fits whole
     with caplog.at_level(logging.WARNING, logger="autobatch"):
-        model, callback, trainer = train_varying(tmp_path, "1MiB", guard=True, items_kwarg=items_kwarg)
-    assert (callback.plan.micro_batch, callback.plan.grad_accum) == (8, 2) and trainer.state.global_step == 5
+        model, step = train_varying(tmp_path, "1MiB", guard, items_kwarg)
     # the long batch (4th, the 2nd of its accumulation window) ran out of memory whole and in 2 pieces
-    assert [(s.step, s.pieces, s.attempts) for s in callback.guard.history] == [(4, 4, 3)] and callback.guard.steps == 10
+    assert [(s.step, s.pieces, s.attempts) for s in step.history] == [(4, 4, 3)] and step.steps == 6
     assert "training step 4 went through as 4 micro-batches after 3 attempt(s)" in caplog.text
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert ((a - b).norm() / a.norm()).item() <= 1e-5, name
@@ -219,9 +234,9 @@ def test_deepspeed_config_stays_consistent_with_the_returned_arguments(gpt2, tmp
 
 def _two_rank_fit(budgets: tuple[str, str]) -> list:
     """One rank of two (inside spawn_local's gloo group): fit_training_args on this rank's own budget."""
-    import torch.distributed as dist
-
     import tempfile
+
+    import torch.distributed as dist
 
     rank = dist.get_rank()
     config = transformers.GPT2Config(vocab_size=128, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2,

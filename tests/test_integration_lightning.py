@@ -3,6 +3,7 @@ with the planned batch size and accumulation. CPU, a simulated memory budget for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -186,29 +187,30 @@ class TinyLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def fit_tokens(budget: str, guard: bool) -> tuple[TinyLM, AutoBatch, pl.Trainer]:
-    """Probe at the usual (short) length, then train 5 steps of 8 × 2 accumulation, all on ``budget``."""
+def fit_tokens(budget: str | None, guard: bool) -> tuple[TinyLM, AutoBatch, pl.Trainer]:
+    """Probe at the usual (short) length, then train 3 steps of 8 × 2 accumulation, all on ``budget``."""
     from autobatch import SimulatedBackend
 
     torch.manual_seed(0)
     model = TinyLM()
     callback = AutoBatch(target=16, memory="8MiB", max_batch=8, guard=guard,
                          make_batch=lambda b: torch.randint(0, VOCAB, (b, SHORT)))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
-    with SimulatedBackend(budget).track(list(model.parameters())):  # the fit itself runs on the simulated device
+    # The fit itself runs on the simulated device (no budget: the reference, where every batch fits).
+    with SimulatedBackend(budget).track(list(model.parameters())) if budget else contextlib.nullcontext():
         trainer.fit(model, datamodule=Tokens())
     return model, callback, trainer
 
 
 def test_guard_splits_the_long_batch_and_trains_to_the_same_weights(caplog) -> None:
-    reference, _, _ = fit_tokens("64MiB", guard=False)  # every batch fits whole
+    reference, _, _ = fit_tokens(None, guard=False)  # every batch fits whole
     with caplog.at_level(logging.WARNING, logger="autobatch.guard"):
         model, callback, trainer = fit_tokens("600KiB", guard=True)
     assert (callback.plan.micro_batch, callback.plan.grad_accum) == (8, 2)
     # batch 4 (the long one, 2nd of its accumulation window) ran out of memory whole and at 2 pieces; 4 went through
     assert [(s.step, s.pieces, s.attempts) for s in callback.guard.history] == [(4, 4, 3)]
-    assert callback.guard.steps == 10 and trainer.global_step == 5
+    assert callback.guard.steps == 6 and trainer.global_step == 3
     assert "step 4 went through as 4 micro-batches per batch after 3 attempt(s)" in caplog.text
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert ((a - b).norm() / a.norm()).item() <= 1e-5, name

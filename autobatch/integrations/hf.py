@@ -358,7 +358,7 @@ class GuardedTrainingStep:
                     losses.append(self.original(model, piece, num_items_in_batch))
                     continue
                 own, compute_loss, share = trainer.__dict__.get("compute_loss"), trainer.compute_loss, batch_length(piece) / n
-                trainer.compute_loss = lambda *a, **k: compute_loss(*a, **k) * share
+                trainer.compute_loss = lambda *a, _f=compute_loss, _w=share, **k: _f(*a, **k) * _w
                 try:
                     losses.append(self.original(model, piece, num_items_in_batch))
                 finally:  # the Trainer's compute_loss again

@@ -213,7 +213,8 @@ class _GuardedSteps:
     gradients where Lightning would have run its backward. Gradients of the window's earlier
     batches are set aside during the step; on a window's first batch the previous step's stale
     gradients are dropped at once (Lightning's ``zero_grad`` would drop them before its backward).
-    Installed as instance attributes, removed at ``teardown``.
+    Installed as instance attributes, removed at ``teardown``. On a split step, ``self.log`` in
+    ``training_step`` runs once per piece.
     """
 
     def __init__(self, trainer: Any, module: Any, max_splits: int | None):

@@ -178,6 +178,9 @@ def test_guard_refuses_deepspeed(gpt2, tmp_path) -> None:
     trainer.is_deepspeed_enabled = True  # what the Trainer sets from args.deepspeed, without starting DeepSpeed
     with pytest.raises(AutobatchError, match="DeepSpeed keeps them inside its engine"):
         guard_trainer(trainer)
+    with pytest.raises(AutobatchError, match="DeepSpeed keeps them inside its engine"):  # before probing anything
+        AutoBatchCallback(memory="1KiB", guard=True).attach(trainer)
+    assert trainer.args.per_device_train_batch_size == 32 and trainer.training_step.__self__ is trainer
 
 
 # -- DeepSpeed: transformers' own consistency processing accepts the returned arguments ---------------

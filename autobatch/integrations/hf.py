@@ -255,6 +255,8 @@ class AutoBatchCallback(_transformers.TrainerCallback):
         self.guard: GuardedTrainingStep | None = None
 
     def attach(self, trainer: Any) -> Any:
+        if self.use_guard:  # before any trial
+            _check_guardable(trainer)
         changes, self.plan, self.result = _planned_changes(
             trainer.args, trainer.model, sample=self.sample, data_collator=trainer.data_collator,
             train_dataset=trainer.train_dataset, target=self.target, **self.options,
@@ -310,6 +312,13 @@ def guard_trainer(trainer: Any, *, max_splits: int | None = None) -> GuardedTrai
         guard_trainer(trainer)
         trainer.train()
     """
+    _check_guardable(trainer)
+    step = GuardedTrainingStep(trainer, max_splits)
+    trainer.training_step = step
+    return step
+
+
+def _check_guardable(trainer: Any) -> None:
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise AutobatchError(
             "guard_trainer needs the gradients in the parameters' .grad, but DeepSpeed keeps them inside its engine; "
@@ -320,9 +329,6 @@ def guard_trainer(trainer: Any, *, max_splits: int | None = None) -> GuardedTrai
             f"guard_trainer splits steps in one process, but this Trainer runs on {trainer.args.world_size} process(es) "
             f"with {trainer.args.n_gpu} GPU(s) each; leave the guard out, or use autobatch.guard.OOMGuard in your own loop"
         )
-    step = GuardedTrainingStep(trainer, max_splits)
-    trainer.training_step = step
-    return step
 
 
 class GuardedTrainingStep:

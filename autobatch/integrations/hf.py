@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
-from ..guard import GuardedStep, batch_length, set_aside_gradients, split_batch, split_until_it_fits
 from ..planning.plan import Plan, require_positive_int
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error
@@ -42,6 +41,7 @@ from ..probing.search import search_max
 from ..probing.trial import Trial, to_device
 from ..probing.workload import Workload, default_loss, resolve_dtype
 from ._common import batches_from_dataset, log_main, plan_for, probe_here, require, world
+from .hf_guard import GuardedTrainingStep, _check_guardable, guard_trainer
 
 _transformers = require("transformers", "hf", "autobatch.integrations.hf")
 
@@ -297,89 +297,3 @@ class AutoBatchCallback(_transformers.TrainerCallback):
             )
         log_main(log, "autobatch: training with %s", self.plan)
 
-
-def guard_trainer(trainer: Any, *, max_splits: int | None = None) -> GuardedTrainingStep:
-    """Run ``trainer.training_step`` under the guard: a batch that runs out of memory is split, same update.
-
-    The Trainer's ``training_step`` is replaced on this instance by a :class:`GuardedTrainingStep`
-    (returned: its ``history`` holds the steps that were split). One process, no DeepSpeed (its
-    engine holds the gradients), no fp16 grad scaler's skipped steps to worry about: the pieces go
-    through the Trainer's own backward, scaler included.
-
-    Example::
-
-        trainer = Trainer(model=model, args=fit_training_args(args, model, sample=ds[0]), train_dataset=ds)
-        guard_trainer(trainer)
-        trainer.train()
-    """
-    _check_guardable(trainer)
-    step = GuardedTrainingStep(trainer, max_splits)
-    trainer.training_step = step
-    return step
-
-
-def _check_guardable(trainer: Any) -> None:
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise AutobatchError(
-            "guard_trainer needs the gradients in the parameters' .grad, but DeepSpeed keeps them inside its engine; "
-            "leave the guard out under DeepSpeed"
-        )
-    if trainer.args.world_size > 1 or trainer.args.n_gpu > 1:
-        raise AutobatchError(
-            f"guard_trainer splits steps in one process, but this Trainer runs on {trainer.args.world_size} process(es) "
-            f"with {trainer.args.n_gpu} GPU(s) each; leave the guard out, or use autobatch.guard.OOMGuard in your own loop"
-        )
-
-
-class GuardedTrainingStep:
-    """``Trainer.training_step`` with a retry that splits the batch (see :func:`guard_trainer`).
-
-    Each piece runs the Trainer's own ``training_step``. When the Trainer scales the loss by
-    ``num_items_in_batch`` (a model that takes loss kwargs, or a ``compute_loss_func``), every
-    piece gets the whole batch's count, so the pieces' gradients add up to the whole batch's
-    exactly. Otherwise each piece's loss (a mean over its batch) is weighted by its share of the
-    samples, exact when the loss is a mean over samples. Gradients of earlier batches of the
-    accumulation window are set aside while a step runs (one more set of gradients meanwhile).
-    """
-
-    def __init__(self, trainer: Any, max_splits: int | None):
-        self.trainer, self.original, self.max_splits = trainer, trainer.training_step, max_splits
-        self.steps = 0
-        self.history: list[GuardedStep] = []
-
-    def __call__(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        trainer = self.trainer
-        params = [p for p in model.parameters() if p.requires_grad]
-        n = batch_length(inputs)
-        scaled = trainer.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or trainer.compute_loss_func is not None
-        self.steps += 1
-        losses: list[torch.Tensor] = []
-
-        def attempt(pieces: int) -> None:
-            losses.clear()
-            for piece in split_batch(inputs, pieces) if pieces > 1 else [inputs]:
-                if scaled or pieces == 1:
-                    losses.append(self.original(model, piece, num_items_in_batch))
-                    continue
-                own, compute_loss, share = trainer.__dict__.get("compute_loss"), trainer.compute_loss, batch_length(piece) / n
-                trainer.compute_loss = lambda *a, _f=compute_loss, _w=share, **k: _f(*a, **k) * _w
-                try:
-                    losses.append(self.original(model, piece, num_items_in_batch))
-                finally:  # the Trainer's compute_loss again
-                    if own is None:
-                        del trainer.compute_loss
-                    else:
-                        trainer.compute_loss = own
-
-        limit = n if self.max_splits is None else min(self.max_splits, n)
-        with set_aside_gradients(params):
-            pieces, attempts = split_until_it_fits(attempt, params, limit=limit, step=self.steps,
-                                                   device=next((p.device for p in params), None))
-        if pieces > 1:
-            self.history.append(GuardedStep(self.steps, n, pieces, attempts, n))
-            log.warning("training step %d went through as %d micro-batches after %d attempt(s); the update equals "
-                        "the whole batch's (%s)", self.steps, pieces, attempts,
-                        "num_items_in_batch kept" if scaled else "pieces weighted by their samples")
-        return sum(losses[1:], losses[0])

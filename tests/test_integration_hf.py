@@ -267,3 +267,51 @@ def test_two_gloo_ranks_with_different_budgets_get_the_same_arguments() -> None:
     # The 3 MiB rank limits both: its max 13 (two 8 MiB ranks agree on 38, and on an eval batch of 87), and the
     # global batch 32 × 1 × 2 ranks = 64 is kept as 8 × 4 accumulation × 2 ranks; eval 32: the smaller rank's.
     assert ranks[0] == (2, 8, 4, 32, MAX)
+
+
+def _two_rank_guard(budgets: tuple[str, str]) -> list:
+    """One rank of two: the Trainer (DDP over gloo) with guard_trainer on this rank's budget, and without a budget."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from autobatch import SimulatedBackend
+    from autobatch.integrations.hf import guard_trainer
+
+    def run(budget: str | None):
+        config = transformers.GPT2Config(vocab_size=128, n_positions=LONG, n_embd=32, n_layer=1, n_head=2,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        with tempfile.TemporaryDirectory() as out:
+            args = transformers.TrainingArguments(
+                output_dir=out, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=2,
+                learning_rate=0.1, optim="sgd", report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                train_sampling_strategy="sequential", logging_strategy="no")
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=Varying())
+            step = guard_trainer(trainer) if budget else None
+            with SimulatedBackend(budget).track(list(model.parameters())) if budget else contextlib.nullcontext():
+                trainer.train()
+        return model, step
+
+    reference, _ = run(None)  # every batch fits
+    model, step = run(budgets[dist.get_rank()])
+    worst = max(((a - b).norm() / a.norm()).item() for a, b in zip(reference.parameters(), model.parameters()))
+    mine = ([(s.step, s.pieces, s.attempts) for s in step.history], worst, [p.detach().clone() for p in model.parameters()])
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("AUTOBATCH_SLOW_TESTS"),
+                    reason="two-process gloo run; set AUTOBATCH_SLOW_TESTS=1 to include it")
+def test_guard_under_ddp_splits_the_same_step_on_every_rank_and_trains_to_the_same_weights() -> None:
+    from autobatch.distributed import spawn_local
+
+    # Batches alternate between the ranks: the long 4th batch is rank 1's 2nd, the last of its accumulation
+    # window (where DDP would average); only rank 1's device is too small for it, yet rank 0 splits that step too.
+    (history0, worst0, weights0), (history1, worst1, weights1) = spawn_local(
+        _two_rank_guard, (("64MiB", "1MiB"),), nprocs=2, backend="gloo", timeout_s=120)
+    assert history0 == history1 == [(2, 4, 3)]  # each rank's 2nd step: whole and 2 pieces ran out of memory, 4 fit
+    assert worst0 <= 1e-5 and worst1 <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))  # the ranks stay in step

@@ -159,16 +159,24 @@ VOCAB, SHORT, LONG = 64, 16, 64
 
 
 class Tokens(pl.LightningDataModule):
-    """80 sequences in batches of 8: the 4th batch of each ten is 4× longer (one length per batch, no padding)."""
+    """Sequences in groups of ``group`` rows: the 4th group of each ten is 4× longer (one length per batch, no padding).
 
-    def __init__(self):
+    ``group=8``: batches of 8 on one device; ``group=16``: two ranks' batches of 8 (the distributed sampler
+    deals the rows out in turn), so the 4th batch on every rank is the long one.
+    """
+
+    def __init__(self, group: int = 8):
         super().__init__()
         self.batch_size = 2
         g = torch.Generator().manual_seed(1)
-        self.rows = [torch.randint(0, VOCAB, (LONG if (i // 8) % 10 == 3 else SHORT,), generator=g) for i in range(80)]
+        self.rows = [torch.randint(0, VOCAB, (LONG if (i // group) % 10 == 3 else SHORT,), generator=g)
+                     for i in range(10 * group)]
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(self.rows, batch_size=self.batch_size)
+        sampler = None
+        if torch.distributed.is_initialized():  # in order (Lightning's own distributed sampler would shuffle)
+            sampler = torch.utils.data.DistributedSampler(self.rows, shuffle=False)
+        return torch.utils.data.DataLoader(self.rows, batch_size=self.batch_size, sampler=sampler)
 
 
 class TinyLM(pl.LightningModule):
@@ -216,3 +224,44 @@ def test_guard_splits_the_long_batch_and_trains_to_the_same_weights(caplog) -> N
         assert ((a - b).norm() / a.norm()).item() <= 1e-5, name
     assert "training_step" not in model.__dict__ and "backward" not in model.__dict__  # removed after fit
 
+
+
+def _ddp_guard_fit(budgets: tuple[str, str]) -> list:
+    """One rank of two under Lightning's ddp strategy: 3 steps of 8 × 2 × 2 ranks, with and without this rank's budget."""
+    import torch.distributed as dist
+
+    from autobatch import SimulatedBackend
+
+    def fit(budget: str | None):
+        torch.manual_seed(0)
+        model = TinyLM()
+        callback = AutoBatch(target=32, memory="8MiB", max_batch=8, guard=budget is not None,
+                             make_batch=lambda b: torch.randint(0, VOCAB, (b, SHORT)))
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[callback], use_distributed_sampler=False)
+        with SimulatedBackend(budget).track(list(model.parameters())) if budget else contextlib.nullcontext():
+            trainer.fit(model, datamodule=Tokens(group=16))
+        return model, callback
+
+    reference, _ = fit(None)  # every batch fits
+    model, callback = fit(budgets[dist.get_rank()])
+    worst = max(((a - b).norm() / a.norm()).item() for a, b in zip(reference.parameters(), model.parameters()))
+    mine = ((callback.plan.micro_batch, callback.plan.grad_accum), [(s.step, s.pieces, s.attempts) for s in callback.guard.history],
+            worst, [p.detach().clone() for p in model.parameters()])
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.skipif(SLOW, reason=DDP_REASON)
+def test_guard_under_ddp_splits_the_same_step_on_every_rank_and_trains_to_the_same_weights() -> None:
+    from autobatch.distributed import spawn_local
+
+    # The 4th batch is long on both ranks and the last of its accumulation window (where DDP would average);
+    # only rank 1's device is too small for it, yet rank 0 splits that step too.
+    ranks = spawn_local(_ddp_guard_fit, (("64MiB", "600KiB"),), nprocs=2, backend="gloo", timeout_s=120)
+    (plan0, history0, worst0, weights0), (plan1, history1, worst1, weights1) = ranks
+    assert plan0 == plan1 == (8, 2) and history0 == history1 == [(4, 4, 3)]  # 8 × 2 × 2 ranks = 32; step 4 in 4 pieces
+    assert worst0 <= 1e-5 and worst1 <= 1e-5, (worst0, worst1)
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))  # the ranks stay in step

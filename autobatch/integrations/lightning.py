@@ -100,8 +100,8 @@ class AutoBatch(_pl.Callback):
         guard: run every training step of the fit under an :class:`~autobatch.guard.OOMGuard`: a
             batch that runs out of memory is split into micro-batches and the step's gradients are
             the whole batch's. ``training_step`` must return the *mean over the batch's samples*
-            (the pieces are weighted by their sample counts). One device, automatic optimization,
-            no fp16 grad scaler. The splits are kept in ``callback.guard.history``.
+            (the pieces are weighted by their sample counts). One device or ``ddp``, automatic
+            optimization, no fp16 grad scaler. The splits are kept in ``callback.guard.history``.
         max_splits: with ``guard``, the most micro-batches one batch may be cut into.
 
     Example::
@@ -150,11 +150,6 @@ class AutoBatch(_pl.Callback):
             raise AutobatchError(
                 "AutoBatch probes training_step with automatic optimization, but this module optimizes manually "
                 "(automatic_optimization=False); probe with autobatch.probe and a Workload instead"
-            )
-        if self.use_guard and trainer.world_size > 1:
-            raise AutobatchError(
-                f"AutoBatch(guard=True) splits steps on one device, but this fit runs on {trainer.world_size} ranks; "
-                "leave guard out, or use autobatch.guard.OOMGuard around a DDP model in manual optimization"
             )
         if self.use_guard and getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise AutobatchError(
@@ -215,10 +210,24 @@ class _GuardedSteps:
     gradients are dropped at once (Lightning's ``zero_grad`` would drop them before its backward).
     Installed as instance attributes, removed at ``teardown``. On a split step, ``self.log`` in
     ``training_step`` runs once per piece.
+
+    Under DDP the guarded ``training_step`` runs inside DDP's forward, so DDP is kept from syncing
+    (``require_backward_grad_sync = False``, as inside ``no_sync``) for the fit: the guard's
+    attempts agree across ranks (every rank splits the same step), and the guarded ``backward``
+    of a window's last batch averages the gradients over the ranks, as DDP would have.
     """
 
     def __init__(self, trainer: Any, module: Any, max_splits: int | None):
         self.trainer, self.module = trainer, module
+        wrapper = trainer.strategy.model
+        self.ddp = wrapper if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel) else None
+        if trainer.world_size > 1 and self.ddp is None:
+            raise AutobatchError(
+                f"AutoBatch(guard=True) splits steps under DDP, but the strategy wrapped the model in "
+                f"{type(wrapper).__name__}; use strategy='ddp', or leave guard out"
+            )
+        if self.ddp is not None:  # DDP would sync inside the guard's backward; the guard averages after the window
+            self.ddp.require_backward_grad_sync = False
         self.original_step, self.original_backward = module.training_step, module.backward
         self.guard = OOMGuard(module, self._losses, labels=lambda batch: torch.ones(batch_length(batch), dtype=torch.bool),
                               max_splits=max_splits)
@@ -230,6 +239,8 @@ class _GuardedSteps:
     def remove(self) -> None:
         for name in ("training_step", "backward"):
             self.module.__dict__.pop(name, None)
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = True
 
     def _losses(self, module: Any, piece: Any) -> torch.Tensor:
         out = self.original_step(piece, *self._args)
@@ -269,6 +280,12 @@ class _GuardedSteps:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         self.pending = None
+        if self.ddp is not None and not self.trainer.fit_loop._should_accumulate():
+            for p in params:  # the window's gradients, averaged over the ranks where DDP would have
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(self.trainer.world_size)
 
 
 def _loss_of(out: Any) -> torch.Tensor:

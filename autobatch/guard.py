@@ -16,6 +16,11 @@ the guard averages the gradients itself once the step has gone through everywher
 It never loops forever: a step that still runs out of memory one sample per micro-batch, or
 after ``max_splits``, raises the out-of-memory error, with a line that says so.
 
+The integrations build on the two pieces underneath: :func:`split_until_it_fits` (the retry
+loop, for a framework whose own step function does the backward, as the HF Trainer's does) and
+:func:`set_aside_gradients` (a step inside a gradient-accumulation window, whose earlier
+micro-batches' gradients must survive a failed attempt).
+
 Example::
 
     guard = OOMGuard(model, lambda m, b: token_cross_entropy(m(b["input_ids"]), b["labels"], shift=True), shift=True)
@@ -29,8 +34,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +46,9 @@ from .checking.accumulation import LossNormaliser, count_loss_tokens
 from .errors import AutobatchError
 from .probing.oom import is_oom_error
 
-__all__ = ["OOMGuard", "GuardedStep", "split_batch", "batch_length", "any_rank"]
+__all__ = [
+    "OOMGuard", "GuardedStep", "split_batch", "batch_length", "any_rank", "split_until_it_fits", "set_aside_gradients",
+]
 
 log = logging.getLogger("autobatch.guard")
 
@@ -103,6 +110,75 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     return bool(t.item())
 
 
+def split_until_it_fits(
+    attempt: Callable[[int], None],
+    params: Sequence[torch.nn.Parameter],
+    *,
+    limit: int,
+    step: int,
+    device: torch.device | None = None,
+) -> tuple[int, int]:
+    """Run ``attempt(pieces)`` with 1, 2, 4, … pieces until it goes through on every rank: ``(pieces, attempts)``.
+
+    ``attempt`` runs the whole step cut into ``pieces`` micro-batches per batch; an out-of-memory
+    error from it asks for more pieces (any other error passes through). After a failed attempt
+    the gradients of ``params`` are set to ``None`` (start each attempt from ``None``: see
+    :func:`set_aside_gradients`). In a process group every rank must call it for the same step:
+    the ranks share the out-of-memory flag after each attempt, so all of them split alike. Past
+    ``limit`` pieces it raises the out-of-memory error with a line that says so.
+    """
+    pieces, attempts = 1, 0
+    while True:
+        attempts += 1
+        failure = None
+        try:
+            attempt(pieces)
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            # The traceback's frames hold the failed attempt's activations: free them now.
+            traceback.clear_frames(exc.__traceback__)
+            failure = str(exc).splitlines()[0][:200]
+        if failure is not None:  # free the failed attempt's gradients before the flag's collective
+            for p in params:
+                p.grad = None
+        if not any_rank(failure is not None, device):
+            return pieces, attempts
+        for p in params:
+            p.grad = None
+        error_line = failure or "out of memory on another rank"
+        if pieces >= limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. OOMGuard: step {step} still runs out of memory cut into {pieces} "
+                f"micro-batch(es) per batch (the most allowed: {limit}); {error_line}"
+            )
+        pieces = min(2 * pieces, limit)
+        log.warning("step %d ran out of memory (%s); retrying it as %d micro-batches per batch", step, error_line, pieces)
+
+
+@contextmanager
+def set_aside_gradients(params: Sequence[torch.nn.Parameter]) -> Iterator[list[torch.Tensor | None]]:
+    """Gradients already accumulated are set aside (``p.grad = None``) inside, and added back on a clean exit.
+
+    A guarded step inside a gradient-accumulation window starts from ``None`` gradients (so a
+    failed attempt can be thrown away) without losing the window's earlier micro-batches. Costs
+    one more set of gradients while the step runs. Yields the set-aside list (``None`` where a
+    parameter had none); on an error the earlier gradients are put back as they were.
+    """
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield saved
+    except BaseException:
+        for p, g in zip(params, saved):
+            p.grad = g
+        raise
+    for p, g in zip(params, saved):
+        if g is not None:
+            p.grad = g if p.grad is None else g.add_(p.grad)
+
+
 def _labels_of(batch: Any, label_key: str) -> torch.Tensor:
     if isinstance(batch, Mapping) and label_key in batch:
         return batch[label_key]
@@ -132,9 +208,15 @@ class OOMGuard:
         max_splits: the most micro-batches one batch may be cut into; default one sample each.
         split: ``split(batch, pieces)`` cuts a batch; default :func:`split_batch` along dim 0.
         on_split: called with each :class:`GuardedStep` that needed a split (they are logged too).
+        backward_fn: runs each micro-batch's backward; default ``loss.backward()``
+            (``accelerator.backward`` under accelerate, for its loss scaling and accumulation).
+        accumulate: add to gradients already there (earlier micro-batches of the same optimizer
+            step, as under a framework's gradient accumulation): they are set aside while the step
+            runs (:func:`set_aside_gradients`), costing one more set of gradients meanwhile.
 
-    Gradients must be ``None`` when :meth:`backward` starts (``optimizer.zero_grad(set_to_none=True)``):
-    a failed attempt's partial gradients are thrown away by setting them to ``None`` again.
+    Without ``accumulate``, gradients must be ``None`` when :meth:`backward` starts
+    (``optimizer.zero_grad(set_to_none=True)``): a failed attempt's partial gradients are thrown
+    away by setting them to ``None`` again.
     """
 
     def __init__(
@@ -149,6 +231,8 @@ class OOMGuard:
         max_splits: int | None = None,
         split: Callable[[Any, int], list[Any]] = split_batch,
         on_split: Callable[[GuardedStep], None] | None = None,
+        backward_fn: Callable[[torch.Tensor], Any] | None = None,
+        accumulate: bool = False,
     ):
         if not isinstance(model, torch.nn.Module):
             raise AutobatchError(f"model must be a torch.nn.Module, but got {type(model).__name__}")
@@ -159,6 +243,8 @@ class OOMGuard:
         self.model, self.loss_fn, self.split = model, loss_fn, split
         self.labels = labels or (lambda batch: _labels_of(batch, label_key))
         self.ignore_index, self.shift, self.max_splits, self.on_split = ignore_index, shift, max_splits, on_split
+        self.backward_fn = backward_fn or torch.Tensor.backward
+        self.accumulate = bool(accumulate)
         self.steps = 0
         self.history: list[GuardedStep] = []  # the steps that were split
 
@@ -171,11 +257,12 @@ class OOMGuard:
         """
         batches = list(batches) if isinstance(batches, list) else [batches]
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if any(p.grad is not None for p in params):
+        if not self.accumulate and any(p.grad is not None for p in params):
             raise AutobatchError(
                 "OOMGuard.backward needs the gradients cleared before the step (a failed attempt's partial "
                 "gradients are thrown away by clearing them), but some are set; call "
-                "optimizer.zero_grad(set_to_none=True) after each optimizer step and pass the step's micro-batches together"
+                "optimizer.zero_grad(set_to_none=True) after each optimizer step and pass the step's micro-batches "
+                "together, or pass accumulate=True to add to them"
             )
         self.steps += 1
         norm = count_loss_tokens([self.labels(b) for b in batches], ignore_index=self.ignore_index, shift=self.shift)
@@ -183,27 +270,10 @@ class OOMGuard:
         device = next((p.device for p in params), torch.device("cpu"))
         smallest = min(batch_length(b) for b in batches)
         limit = smallest if self.max_splits is None else min(self.max_splits, smallest)
-        pieces, attempts = 1, 0
-        while True:
-            attempts += 1
-            failure = self._attempt(batches, pieces, norm, local)
-            if failure is not None:  # free the failed attempt's gradients before the flag's collective
-                for p in params:
-                    p.grad = None
-            if not any_rank(failure is not None, device):
-                break
-            for p in params:
-                p.grad = None
-            error_line = failure or "out of memory on another rank"
-            if pieces >= limit:
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. OOMGuard: step {self.steps} still runs out of memory cut into {pieces} "
-                    f"micro-batch(es) per batch (the most allowed: {limit}); {error_line}"
-                )
-            pieces = min(2 * pieces, limit)
-            log.warning("step %d ran out of memory (%s); retrying it as %d micro-batches per batch",
-                        self.steps, error_line, pieces)
-        self._average_gradients(params)
+        with set_aside_gradients(params):
+            pieces, attempts = split_until_it_fits(lambda k: self._attempt(batches, k, norm, local), params,
+                                                   limit=limit, step=self.steps, device=device)
+            self._average_gradients(params)
         done = GuardedStep(self.steps, sum(batch_length(b) for b in batches), pieces, attempts, norm.total)
         if pieces > 1:
             self.history.append(done)
@@ -219,28 +289,20 @@ class OOMGuard:
             labels = labels[..., 1:]
         return labels if labels.dtype == torch.bool else labels != self.ignore_index
 
-    def _attempt(self, batches: list[Any], pieces: int, norm: LossNormaliser, local: int) -> str | None:
-        """``None`` when every piece went through, else the first line of the out-of-memory error."""
+    def _attempt(self, batches: list[Any], pieces: int, norm: LossNormaliser, local: int) -> None:
+        """Every piece's forward and backward (an out-of-memory error passes to :func:`split_until_it_fits`)."""
         seen = 0
-        try:
-            with ExitStack() as stack:
-                if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-                    stack.enter_context(self.model.no_sync())
-                for batch in batches:
-                    for piece in (self.split(batch, pieces) if pieces > 1 else [batch]):
-                        seen += self._piece_backward(piece, norm)
-        except Exception as exc:
-            if not is_oom_error(exc):
-                raise
-            # The traceback's frames hold the failed attempt's activations: free them now.
-            traceback.clear_frames(exc.__traceback__)
-            return str(exc).splitlines()[0][:200]
+        with ExitStack() as stack:
+            if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+                stack.enter_context(self.model.no_sync())
+            for batch in batches:
+                for piece in (self.split(batch, pieces) if pieces > 1 else [batch]):
+                    seen += self._piece_backward(piece, norm)
         if seen != local:
             raise AutobatchError(
                 f"the loss counted {seen} items but the labels hold {local} that are not ignore_index "
                 f"({self.ignore_index}); make loss_fn's mask match the labels (shift={self.shift})"
             )
-        return None
 
     def _piece_backward(self, piece: Any, norm: LossNormaliser) -> int:
         out = self.loss_fn(self.model, piece)
@@ -256,7 +318,7 @@ class OOMGuard:
                 f"sample, but it returned {type(out).__name__}{' of shape ()' if isinstance(out, torch.Tensor) else ''}; "
                 "a mean cannot be split into micro-batches exactly"
             )
-        loss.backward()
+        self.backward_fn(loss)
         return count
 
     def _average_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:

@@ -160,3 +160,25 @@ def test_split_batch_cuts_every_tensor_on_dim_0_and_keeps_the_container() -> Non
     pairs = split_batch((torch.zeros(4, 3), torch.arange(4)), 4)
     assert [type(p) for p in pairs] == [tuple] * 4 and [p[1].item() for p in pairs] == [0, 1, 2, 3]
 
+
+
+def test_accumulate_adds_to_earlier_gradients_and_a_failed_step_leaves_them_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = LM()
+    short, long = data(4)[0], data(4)[3]
+    reference = LM()
+    reference.load_state_dict(model.state_dict())
+    for batch in (short, long):  # the plain sum of the two steps' gradients
+        losses, mask = loss_fn(reference, batch)
+        (losses[mask].sum() / mask.sum()).backward()
+    guard = OOMGuard(model, loss_fn, shift=True, accumulate=True)
+    guard.backward(short)
+    earlier = [p.grad.clone() for p in model.parameters()]
+    with SimulatedBackend("300KiB").track(list(model.parameters()) + [p.grad for p in model.parameters()]), \
+            pytest.raises(torch.OutOfMemoryError, match="still runs out of memory"):
+        OOMGuard(model, loss_fn, shift=True, accumulate=True, max_splits=2).backward(long)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), earlier))  # put back untouched
+    with SimulatedBackend("600KiB").track(list(model.parameters()) + [p.grad for p in model.parameters()]):
+        assert guard.backward(long).pieces == 4
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert ((a.grad - b.grad).norm() / a.grad.norm()).item() <= 1e-5

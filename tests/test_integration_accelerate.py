@@ -7,6 +7,7 @@ accelerate's decorator on the same function (its sequence is the ×0.9 walk).
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import pytest
@@ -133,3 +134,99 @@ def test_other_errors_pass_through_and_the_batch_size_is_not_passed_twice() -> N
         find_executable_batch_size(training_function, starting_batch_size=8)(8, None)
     with pytest.raises(AutobatchError, match="starting_batch_size must be a positive integer"):
         find_executable_batch_size(training_function, starting_batch_size=0)
+
+
+def test_guard_keeps_the_decorated_run_alive_through_a_rare_long_batch() -> None:
+    """One batch in ten is 4× longer; with the guard the run at the starting batch completes (no restart) and
+    trains, through accelerator.backward and 2-step accumulation, to the weights of a budget that fits them all."""
+    from accelerate import Accelerator
+
+    from autobatch.integrations.accelerate import guard
+    from tests.test_guard import LM, data, loss_fn
+
+    def run(budget: str | None, guarded: bool):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+
+        @find_executable_batch_size(starting_batch_size=8, backend=SimulatedBackend(budget) if budget else None)
+        def train(batch_size: int):
+            torch.manual_seed(0)
+            model = LM()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, optimizer = accelerator.prepare(model, optimizer)
+            step = guard(accelerator, model, loss_fn, shift=True)
+            for batch in data(4):  # the 4th is the long one, the 2nd of its accumulation window
+                assert len(batch["input_ids"]) == batch_size
+                with accelerator.accumulate(model):
+                    if guarded:
+                        step.backward(batch)
+                    else:
+                        losses, mask = loss_fn(model, batch)
+                        accelerator.backward(losses[mask].sum() / mask.sum())
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return accelerator.unwrap_model(model), step
+
+        return train(), train.batch_sizes
+
+    (reference, _), _ = run(None, guarded=False)  # no budget: every batch fits
+    (model, step), called = run("600KiB", guarded=True)
+    assert called == [8]  # the first run went through: nothing restarted it smaller
+    assert [(s.step, s.pieces, s.attempts) for s in step.history] == [(4, 4, 3)] and step.steps == 4
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert ((a - b).norm() / a.norm()).item() <= 1e-5, name
+
+
+OTHER_LIMIT = 29  # the largest batch the other rank's (smaller) device holds
+
+
+def test_ranks_combine_their_trials_and_end_on_the_smaller_device(monkeypatch) -> None:
+    """Rank 0 of 2, with rank 1's answers supplied where the all-gather would bring them (the gloo exchange itself
+    is tests/test_integration_accelerate.py::test_two_gloo_ranks_with_different_budgets_end_on_the_same_batch)."""
+    import autobatch.integrations.accelerate as integration
+
+    gathered: list[int] = []
+
+    def share(comm, trial):  # what _share_trial returns on rank 0: [rank 0's trial, rank 1's]
+        gathered.append(trial.batch)
+        other = dataclasses.replace(trial, fits=trial.batch <= OTHER_LIMIT,
+                                    error=None if trial.batch <= OTHER_LIMIT else "CUDA out of memory.")
+        return [trial, other]
+
+    monkeypatch.setattr(integration, "world", lambda: (0, 2))
+    monkeypatch.setattr(integration, "_comm_device", lambda backend=None: torch.device("cpu"))
+    monkeypatch.setattr(integration, "_share_trial", share)
+    completed: list[int] = []
+    train = find_executable_batch_size(starting_batch_size=128)(training_function)
+    assert train(completed) == OTHER_LIMIT and completed == [OTHER_LIMIT]
+    # 128 is an agreed trial first (in a group no rank runs the whole function alone), then the search below it
+    # follows the agreed outcomes (32 fits here, not on rank 1) to 29, then the one real run.
+    assert train.batch_sizes == [128, 1, 2, 4, 8, 16, 32, 24, 28, 30, 29, 29]
+    assert gathered == train.batch_sizes[:-1]  # every trial was shared, the real run was not
+    assert [t.fits for t in train.trials] == [False, True, True, True, True, True, False, True, True, False, True]
+    assert train.trials[6].error == "out of memory on rank 1"
+
+
+def _two_rank_find(budgets: tuple[str, str]) -> list:
+    """One rank of two (inside spawn_local's gloo group), each with its own simulated budget."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    train = find_executable_batch_size(starting_batch_size=4096, backend=SimulatedBackend(budgets[rank]))(mlp_training)
+    mine = (train(), train.batch_sizes, [(t.batch, t.fits) for t in train.trials])
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("AUTOBATCH_SLOW_TESTS"),
+                    reason="two-process gloo run; set AUTOBATCH_SLOW_TESTS=1 to include it")
+def test_two_gloo_ranks_with_different_budgets_end_on_the_same_batch() -> None:
+    from autobatch.distributed import spawn_local
+
+    alone = find_executable_batch_size(starting_batch_size=4096, backend=SimulatedBackend("1MiB"))(mlp_training)
+    smaller = alone()  # what the 1 MiB device holds on its own
+    ranks = spawn_local(_two_rank_find, (("2MiB", "1MiB"),), nprocs=2, backend="gloo", timeout_s=120)
+    assert ranks[0] == ranks[1]  # the same answer, batch sizes and agreed trials on both ranks
+    best, called, trials = ranks[0]
+    assert best == smaller < 556  # the 1 MiB rank limits both (556 is the 2 MiB device's own answer)
+    assert (best, True) in trials and (best + 1, False) in trials and called[-1] == best

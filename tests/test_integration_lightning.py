@@ -3,6 +3,7 @@ with the planned batch size and accumulation. CPU, a simulated memory budget for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -150,3 +151,117 @@ def test_lightnings_own_finder_on_the_same_model_and_budget() -> None:
     run = tools.run_lightning(work, "240KiB", "binsearch")
     assert [b for b, _ in run.tried] == [2, 4, 8, 16, 32, 64, 128, 96, 112, 120, 116, 114, 113]
     assert (run.returned, run.trials, run.steps) == (106, 13, 29)  # 5 % under the 112 it saw train
+
+
+# -- guard=True: a rare long batch is split inside its training step -------------------------------
+
+VOCAB, SHORT, LONG = 64, 16, 64
+
+
+class Tokens(pl.LightningDataModule):
+    """Sequences in groups of ``group`` rows: the 4th group of each ten is 4× longer (one length per batch, no padding).
+
+    ``group=8``: batches of 8 on one device; ``group=16``: two ranks' batches of 8 (the distributed sampler
+    deals the rows out in turn), so the 4th batch on every rank is the long one.
+    """
+
+    def __init__(self, group: int = 8):
+        super().__init__()
+        self.batch_size = 2
+        g = torch.Generator().manual_seed(1)
+        self.rows = [torch.randint(0, VOCAB, (LONG if (i // group) % 10 == 3 else SHORT,), generator=g)
+                     for i in range(10 * group)]
+
+    def train_dataloader(self):
+        sampler = None
+        if torch.distributed.is_initialized():  # in order (Lightning's own distributed sampler would shuffle)
+            sampler = torch.utils.data.DistributedSampler(self.rows, shuffle=False)
+        return torch.utils.data.DataLoader(self.rows, batch_size=self.batch_size, sampler=sampler)
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def training_step(self, ids, batch_idx):  # the mean over the batch's tokens: every row has the same length
+        h = self.emb(ids[:, :-1])
+        logits = self.head(h + self.mlp(h))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit_tokens(budget: str | None, guard: bool) -> tuple[TinyLM, AutoBatch, pl.Trainer]:
+    """Probe at the usual (short) length, then train 2 steps of 8 × 2 accumulation, all on ``budget``."""
+    from autobatch import SimulatedBackend
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    callback = AutoBatch(target=16, memory="8MiB", max_batch=8, guard=guard,
+                         make_batch=lambda b: torch.randint(0, VOCAB, (b, SHORT)))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    # The fit itself runs on the simulated device (no budget: the reference, where every batch fits).
+    with SimulatedBackend(budget).track(list(model.parameters())) if budget else contextlib.nullcontext():
+        trainer.fit(model, datamodule=Tokens())
+    return model, callback, trainer
+
+
+def test_guard_splits_the_long_batch_and_trains_to_the_same_weights(caplog) -> None:
+    reference, _, _ = fit_tokens(None, guard=False)  # every batch fits whole
+    with caplog.at_level(logging.WARNING, logger="autobatch.guard"):
+        model, callback, trainer = fit_tokens("600KiB", guard=True)
+    assert (callback.plan.micro_batch, callback.plan.grad_accum) == (8, 2)
+    # batch 4 (the long one, 2nd of its accumulation window) ran out of memory whole and at 2 pieces; 4 went through
+    assert [(s.step, s.pieces, s.attempts) for s in callback.guard.history] == [(4, 4, 3)]
+    assert callback.guard.steps == 4 and trainer.global_step == 2
+    assert "step 4 went through as 4 micro-batches per batch after 3 attempt(s)" in caplog.text
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert ((a - b).norm() / a.norm()).item() <= 1e-5, name
+    assert "training_step" not in model.__dict__ and "backward" not in model.__dict__  # removed after fit
+
+
+
+def _ddp_guard_fit(budgets: tuple[str, str]) -> list:
+    """One rank of two under Lightning's ddp strategy: 3 steps of 8 × 2 × 2 ranks, with and without this rank's budget."""
+    import torch.distributed as dist
+
+    from autobatch import SimulatedBackend
+
+    def fit(budget: str | None):
+        torch.manual_seed(0)
+        model = TinyLM()
+        callback = AutoBatch(target=32, memory="8MiB", max_batch=8, guard=budget is not None,
+                             make_batch=lambda b: torch.randint(0, VOCAB, (b, SHORT)))
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[callback], use_distributed_sampler=False)
+        with SimulatedBackend(budget).track(list(model.parameters())) if budget else contextlib.nullcontext():
+            trainer.fit(model, datamodule=Tokens(group=16))
+        return model, callback
+
+    reference, _ = fit(None)  # every batch fits
+    model, callback = fit(budgets[dist.get_rank()])
+    worst = max(((a - b).norm() / a.norm()).item() for a, b in zip(reference.parameters(), model.parameters()))
+    mine = ((callback.plan.micro_batch, callback.plan.grad_accum), [(s.step, s.pieces, s.attempts) for s in callback.guard.history],
+            worst, [p.detach().clone() for p in model.parameters()])
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+@pytest.mark.skipif(SLOW, reason=DDP_REASON)
+def test_guard_under_ddp_splits_the_same_step_on_every_rank_and_trains_to_the_same_weights() -> None:
+    from autobatch.distributed import spawn_local
+
+    # The 4th batch is long on both ranks and the last of its accumulation window (where DDP would average);
+    # only rank 1's device is too small for it, yet rank 0 splits that step too.
+    ranks = spawn_local(_ddp_guard_fit, (("64MiB", "600KiB"),), nprocs=2, backend="gloo", timeout_s=120)
+    (plan0, history0, worst0, weights0), (plan1, history1, worst1, weights1) = ranks
+    assert plan0 == plan1 == (8, 2) and history0 == history1 == [(4, 4, 3)]  # 8 × 2 × 2 ranks = 32; step 4 in 4 pieces
+    assert worst0 <= 1e-5 and worst1 <= 1e-5, (worst0, worst1)
+    assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))  # the ranks stay in step

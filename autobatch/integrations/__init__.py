@@ -5,6 +5,9 @@ Each framework is imported only when its module is: ``autobatch.integrations.lig
 raises one line naming the extra to install (``pip install 'autobatch[lightning]'``). All of them
 probe with the library's own search (:func:`autobatch.probe`, every rank in lockstep under
 ``torch.distributed``), solve with :func:`autobatch.solve`, and leave the model as it was.
+Each can also train under :mod:`autobatch.guard`: a rare long batch that runs out of memory is
+split inside its step, with the whole batch's update (``AutoBatch(guard=True)``,
+``guard_trainer(trainer)``, ``autobatch.integrations.accelerate.guard``).
 """
 
 from __future__ import annotations

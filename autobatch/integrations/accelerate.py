@@ -7,7 +7,8 @@ call shape (``@find_executable_batch_size(starting_batch_size=128)`` over ``def 
 and:
 
 1. runs the function at ``starting_batch_size`` (or the plan's micro batch for ``target``); when
-   it completes, that is the answer, exactly as accelerate does;
+   it completes, that is the answer, exactly as accelerate does (in a process group that batch is
+   first a trial, below, that every rank agrees on: no rank may finish alone while another searches);
 2. when that runs out of memory, searches with short *trials*: the function runs until its
    ``steps``-th optimizer step (a global optimizer hook then stops it), and the library's search
    (:func:`autobatch.search_max`, fed with the device's peak memory when a backend can measure it)
@@ -19,8 +20,9 @@ and:
 Build the model and optimizer inside the function, as accelerate's own example does: each trial
 then starts from fresh weights. Modules passed as arguments are restored after each trial.
 A later out-of-memory error in the real run (a rare long batch, evaluation) falls back to
-``reduce_batch_size_fn`` (default ``0.9 ×``); see :class:`autobatch.guard.OOMGuard` to split such
-a step instead of restarting. Ranks agree *after* each trial: a rank that runs out of memory
+``reduce_batch_size_fn`` (default ``0.9 ×``); :func:`guard` splits such a step instead of
+restarting: an :class:`~autobatch.guard.OOMGuard` whose micro-batches go through
+``accelerator.backward``. Ranks agree *after* each trial: a rank that runs out of memory
 inside one of the function's own collectives still leaves the others waiting until the group's
 timeout, as with accelerate's decorator.
 """
@@ -39,13 +41,17 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
-from ..distributed.lockstep import _agreed, _share_trial
+from ..distributed.launch import DEFAULT_TIMEOUT_S
+from ..distributed.lockstep import _agreed, _collective, _Comm, _comm_device, _share_trial
+from ..distributed.result import RankFailedError
 from ..errors import AutobatchError
+from ..guard import OOMGuard
 from ..planning.plan import Plan, require_positive_int
 from ..planning.solver import solve
 from ..probing.backends import CudaBackend, MemoryBackend
@@ -55,7 +61,7 @@ from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
 from ._common import world
 
-__all__ = ["find_executable_batch_size", "TrialStop"]
+__all__ = ["find_executable_batch_size", "TrialStop", "guard"]
 
 log = logging.getLogger("autobatch.integrations.accelerate")
 
@@ -176,6 +182,7 @@ def find_executable_batch_size(
                 f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`"
             )
         device = backend if backend is not None else _default_backend()
+        comm = _Comm(_comm_device(device), DEFAULT_TIMEOUT_S) if world()[1] > 1 else None
         processes = accelerator.num_processes if accelerator is not None else world()[1]
         decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
         searched = False
@@ -190,15 +197,31 @@ def find_executable_batch_size(
                 log.info("autobatch: %s", decorator.plan)
             decorator.batch_sizes.append(batch)
             _clear()
-            try:
-                # Under the backend's accounting, so that a simulated budget limits the run too.
-                with device.track([]) if device is not None else nullcontext():
-                    return function(batch, *args, **kwargs)
-            except Exception as exc:
-                if not is_oom_error(exc):
-                    raise
-                traceback.clear_frames(exc.__traceback__)
-                line = str(exc).splitlines()[0][:200]
+            line = None
+            if comm is not None and not searched:
+                # In a process group no rank may run the whole function while another searches: the
+                # starting batch is first a trial whose outcome every rank agrees on.
+                finished: list[Any] = []
+                first = _agreed_trial(function, batch, args, kwargs, device, steps, finished, comm)
+                decorator.trials = (first,)
+                if on_trial is not None:
+                    on_trial(first)
+                if finished:
+                    return finished[0]
+                if first.fits:
+                    decorator.batch_sizes.append(batch)  # the real run, next
+                else:
+                    line = first.error or "out of memory"
+            if line is None:
+                try:
+                    # Under the backend's accounting, so that a simulated budget limits the run too.
+                    with device.track([]) if device is not None else nullcontext():
+                        return function(batch, *args, **kwargs)
+                except Exception as exc:
+                    if not is_oom_error(exc):
+                        raise
+                    traceback.clear_frames(exc.__traceback__)
+                    line = str(exc).splitlines()[0][:200]
             _clear()
             if not searched:
                 searched = True
@@ -208,8 +231,9 @@ def find_executable_batch_size(
                     raise AutobatchError(
                         "even a batch of 1 runs out of memory; use a shorter sequence, bf16, gradient "
                         "checkpointing, a smaller model or a larger device")
-                outcome, finished = _search(function, args, kwargs, device, batch - 1, steps, on_trial, decorator.batch_sizes)
-                decorator.trials = outcome.trials
+                outcome, finished = _search(function, args, kwargs, device, batch - 1, steps, on_trial,
+                                            decorator.batch_sizes, comm)
+                decorator.trials = (*decorator.trials, *outcome.trials)
                 if finished:  # the function ended before its steps-th optimizer step: that was the run
                     log.info("autobatch: the function finished within its trial at batch %d", outcome.trials[-1].batch)
                     return finished[0]
@@ -231,31 +255,60 @@ def find_executable_batch_size(
     return decorator
 
 
+def guard(accelerator: Any, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], Any], **options: Any) -> OOMGuard:
+    """An :class:`~autobatch.guard.OOMGuard` for a loop under ``accelerator``: ``guard.backward(batch)`` replaces
+    the forward and ``accelerator.backward(loss)``.
+
+    Each micro-batch's normalised loss goes through ``accelerator.backward`` (which divides by the
+    accelerator's gradient accumulation and applies its grad scaler), and gradients of earlier
+    batches of an ``accelerator.accumulate`` window are kept (``accumulate=True``). A batch that
+    runs out of memory is split; the update stays the whole batch's, so a decorated function
+    keeps its batch size instead of being restarted smaller. ``options`` go to ``OOMGuard``
+    (``shift``, ``label_key``, ``max_splits``, …). DeepSpeed keeps the gradients inside its engine,
+    out of the guard's reach: it is refused.
+
+    Example::
+
+        step = guard(accelerator, model, lambda m, b: token_cross_entropy(m(b["input_ids"]), b["labels"], shift=True), shift=True)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                step.backward(batch)
+                optimizer.step()
+                optimizer.zero_grad()
+    """
+    if getattr(accelerator, "distributed_type", None) == "DEEPSPEED":  # a str enum
+        raise AutobatchError(
+            "guard needs the gradients in the parameters' .grad, but DeepSpeed keeps them inside its engine; "
+            "leave the guard out under DeepSpeed, or train with DDP/FSDP"
+        )
+    return OOMGuard(model, loss_fn, backward_fn=accelerator.backward, accumulate=True, **options)
+
+
 def _plan(target: int, processes: int, cap: int) -> Plan:
     return solve(target, gpus_per_node=processes, max_micro=cap)
 
 
 def _search(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: MemoryBackend | None,
-    cap: int, steps: int, on_trial: Callable[[Trial], None] | None, called: list[int],
+    cap: int, steps: int, on_trial: Callable[[Trial], None] | None, called: list[int], comm: _Comm | None = None,
 ) -> tuple[SearchOutcome, list[Any]]:
     """The search's outcome, and ``[result]`` when a trial ran the function to its end (then the search stopped)."""
     finished: list[Any] = []
-    modules = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module)]
-    distributed = world()[1] > 1
 
     def run(batch: int) -> Trial:
         if finished:  # stop the search at once: a returned function is not run again
             raise _Finished
         called.append(batch)
-        trial = _trial(function, batch, args, kwargs, backend, steps, modules, finished)
-        if distributed:
-            trial = _agreed(batch, [replace(t, batch=batch) for t in _share_trial(trial) if t is not None])
+        trial = _agreed_trial(function, batch, args, kwargs, backend, steps, finished, comm)
         if on_trial is not None:
             on_trial(trial)
         return trial
 
     capacity = backend.capacity() if backend is not None else 1
+    if comm is not None and backend is not None:  # the same search everywhere: on the smallest capacity
+        smallest = torch.tensor([capacity], dtype=torch.float64, device=comm.device)
+        capacity = int(_collective(comm, "agreeing on capacity", lambda: dist.all_reduce(
+            smallest, op=dist.ReduceOp.MIN, async_op=True), lambda: smallest.item()))
     trials: list[Trial] = []
 
     def recorded(batch: int) -> Trial:
@@ -266,6 +319,33 @@ def _search(
         return search_max(recorded, capacity, max_batch=cap), finished
     except _Finished:
         return SearchOutcome(trials[-1].batch, "memory", tuple(trials)), finished
+
+
+def _agreed_trial(
+    function: Callable[..., Any], batch: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+    backend: MemoryBackend | None, steps: int, finished: list[Any], comm: _Comm | None,
+) -> Trial:
+    """This rank's trial, or in a process group the trial every rank agrees on (collective).
+
+    It fits only where it fit on every rank, with the largest bytes any rank measured
+    (:func:`~autobatch.distributed.lockstep._agreed`), so every rank's search takes the same next
+    step. A rank whose trial raised another error tells the others, which stop too.
+    """
+    modules = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module)]
+    try:
+        trial = _trial(function, batch, args, kwargs, backend, steps, modules, finished)
+    except Exception:
+        if comm is not None:
+            _share_trial(comm, None)
+        raise
+    if comm is None:
+        return trial
+    shared = _share_trial(comm, trial)
+    failed = [rank for rank, t in enumerate(shared) if t is None]
+    if failed:
+        raise RankFailedError(f"rank {failed[0]} failed in its trial at batch {batch}; every rank stopped with it "
+                              f"(the error is in rank {failed[0]}'s log)", rank=failed[0])
+    return _agreed(batch, [replace(t, batch=batch) for t in shared])
 
 
 class _Finished(Exception):

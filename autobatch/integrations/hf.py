@@ -10,6 +10,11 @@ batch (or ``target``), with ``per_device_eval_batch_size`` from a forward-only p
 DeepSpeed config's explicit batch values rewritten to match (``"auto"`` values stay ``"auto"``
 and the Trainer fills them from the new arguments). The arguments passed in are not changed,
 nor is a DeepSpeed JSON file: a changed config is passed on as a dict.
+
+:func:`guard_trainer` (or ``AutoBatchCallback(guard=True)``) runs the Trainer's own
+``training_step`` under the guard's retry loop (:func:`autobatch.guard.split_until_it_fits`): a
+batch that runs out of memory is split and each piece goes through the Trainer's step (its
+``compute_loss``, its ``accelerator.backward``), so the update stays the whole batch's.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ from ..probing.result import ProbeResult
 from ..probing.search import search_max
 from ..probing.trial import Trial, to_device
 from ..probing.workload import Workload, default_loss, resolve_dtype
-from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
+from ._common import batches_from_dataset, log_main, plan_for, probe_here, require, world
+from .hf_guard import GuardedTrainingStep, _check_guardable, guard_trainer
 
 _transformers = require("transformers", "hf", "autobatch.integrations.hf")
 
-__all__ = ["fit_training_args", "AutoBatchCallback", "deepspeed_batch_config", "probe_eval_batch"]
+__all__ = ["fit_training_args", "AutoBatchCallback", "deepspeed_batch_config", "probe_eval_batch", "guard_trainer",
+           "GuardedTrainingStep"]
 
 log = logging.getLogger("autobatch.integrations.hf")
 
@@ -186,7 +193,9 @@ def _planned_changes(
     backend = backend or make_backend(_device_of(model, args), memory)
     result = probe_here(workload, backend, max_batch=max_batch, headroom=headroom)
     plan = plan_for(result, target, world)
-    evaluation = probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch) if eval_batch else plan.micro_batch
+    evaluation = plan.micro_batch
+    if eval_batch:  # each rank's own forward-only probe; every rank takes the smallest
+        evaluation = _smallest_on_any_rank(probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch), backend)
     changes: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -200,6 +209,16 @@ def _planned_changes(
              "devices = %d sequences per step; eval batch %d", result.max_batch, result.safe_batch, len(result.trials),
              plan.micro_batch, plan.grad_accum, world, plan.global_batch, evaluation)
     return changes, plan, result
+
+
+def _smallest_on_any_rank(value: int, backend: MemoryBackend) -> int:
+    """``value``'s minimum over the ranks of an initialized group (collective); ``value`` alone without one."""
+    if world()[1] == 1:
+        return value
+    device = backend.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    smallest = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(smallest, op=torch.distributed.ReduceOp.MIN)
+    return int(smallest.item())
 
 
 def _device_of(model: torch.nn.Module, args: Any) -> torch.device:
@@ -223,14 +242,21 @@ class AutoBatchCallback(_transformers.TrainerCallback):
         trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collator)
         AutoBatchCallback(memory="4MiB").attach(trainer)   # on a GPU: AutoBatchCallback()
         trainer.train()
+
+    ``guard=True`` also runs the Trainer's steps under :func:`guard_trainer` (``max_splits`` goes there).
     """
 
-    def __init__(self, target: int | None = None, *, sample: Any = None, **options: Any):
+    def __init__(self, target: int | None = None, *, sample: Any = None, guard: bool = False,
+                 max_splits: int | None = None, **options: Any):
         self.target, self.sample, self.options = target, sample, options
+        self.use_guard, self.max_splits = bool(guard), max_splits
         self.plan: Plan | None = None
         self.result: ProbeResult | None = None
+        self.guard: GuardedTrainingStep | None = None
 
     def attach(self, trainer: Any) -> Any:
+        if self.use_guard:  # before any trial
+            _check_guardable(trainer)
         changes, self.plan, self.result = _planned_changes(
             trainer.args, trainer.model, sample=self.sample, data_collator=trainer.data_collator,
             train_dataset=trainer.train_dataset, target=self.target, **self.options,
@@ -250,6 +276,8 @@ class AutoBatchCallback(_transformers.TrainerCallback):
             config = trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
             config.update(dict(zip(_DS_KEYS, (self.plan.micro_batch, self.plan.grad_accum, self.plan.global_batch))))
             propagate_args_to_deepspeed(trainer.accelerator, trainer.args)
+        if self.use_guard:
+            self.guard = guard_trainer(trainer, max_splits=self.max_splits)
         trainer.add_callback(self)
         return trainer
 
@@ -268,3 +296,4 @@ class AutoBatchCallback(_transformers.TrainerCallback):
                 f"the Trainer accumulates {args.gradient_accumulation_steps} steps, but the plan is {self.plan.grad_accum}"
             )
         log_main(log, "autobatch: training with %s", self.plan)
+

@@ -16,6 +16,10 @@ the model up, before the first batch):
 
 Weights, buffers, gradients and the RNG come back bit for bit (:func:`autobatch.probing.preserve.borrowed_model`).
 ``self.log`` calls inside ``training_step`` are ignored while probing.
+
+With ``guard=True`` the training steps of the fit then run under an :class:`~autobatch.guard.OOMGuard`:
+a rare long batch that runs out of memory is split into micro-batches inside that one training
+step, and the update is the one the whole batch would have made (see :class:`_GuardedSteps`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
+from ..guard import GuardedStep, OOMGuard, batch_length, set_aside_gradients
 from ..planning.plan import Plan, require_positive_int
 from ..probing.backends import MemoryBackend
 from ..probing.probe import DEFAULT_HEADROOM, make_backend
@@ -92,6 +97,12 @@ class AutoBatch(_pl.Callback):
         make_batch: ``make_batch(b)`` for the probe; default ``b`` samples of the train
             dataloader's dataset collated by its ``collate_fn`` (give the longest samples here when
             lengths vary).
+        guard: run every training step of the fit under an :class:`~autobatch.guard.OOMGuard`: a
+            batch that runs out of memory is split into micro-batches and the step's gradients are
+            the whole batch's. ``training_step`` must return the *mean over the batch's samples*
+            (the pieces are weighted by their sample counts). One device or ``ddp``, automatic
+            optimization, no fp16 grad scaler. The splits are kept in ``callback.guard.history``.
+        max_splits: with ``guard``, the most micro-batches one batch may be cut into.
 
     Example::
 
@@ -109,13 +120,18 @@ class AutoBatch(_pl.Callback):
         headroom: float | int | str = DEFAULT_HEADROOM,
         max_batch: int | None = None,
         make_batch: Callable[[int], Any] | None = None,
+        guard: bool = False,
+        max_splits: int | None = None,
     ):
         if target is not None:
             require_positive_int("target", target, fix="pass the global batch, or leave it out to keep the trainer's")
         self.target, self.batch_arg_name, self.backend, self.memory = target, batch_arg_name, backend, memory
         self.headroom, self.max_batch, self.make_batch = headroom, max_batch, make_batch
+        self.use_guard, self.max_splits = bool(guard), max_splits
         self.plan: Plan | None = None
         self.result: ProbeResult | None = None
+        self.guard: OOMGuard | None = None
+        self._steps: _GuardedSteps | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
         if stage not in (None, "fit"):
@@ -134,6 +150,11 @@ class AutoBatch(_pl.Callback):
             raise AutobatchError(
                 "AutoBatch probes training_step with automatic optimization, but this module optimizes manually "
                 "(automatic_optimization=False); probe with autobatch.probe and a Workload instead"
+            )
+        if self.use_guard and getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise AutobatchError(
+                f"AutoBatch(guard=True) runs the backward itself, past the fp16 grad scaler of precision="
+                f"{trainer.precision!r}; train with bf16-mixed or 32, or leave guard out"
             )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -165,6 +186,110 @@ class AutoBatch(_pl.Callback):
                  self.result.max_batch, self.result.safe_batch, len(self.result.trials),
                  f"{self.plan.micro_batch} batch size * {self.plan.grad_accum} accumulate_grad_batches * {world} ranks",
                  self.plan.global_batch, self.batch_arg_name, self.plan.micro_batch, self.plan.grad_accum)
+        if self.use_guard:
+            self._steps = _GuardedSteps(trainer, pl_module, self.max_splits)
+            self.guard = self._steps.guard
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        if self._steps is not None:  # the module's own methods again, after fit
+            self._steps.remove()
+            self._steps = None
+
+
+class _GuardedSteps:
+    """``training_step`` and ``backward`` of a LightningModule, guarded, for the length of a fit.
+
+    Lightning's automatic optimization calls ``training_step``, then (first batch of an
+    accumulation window) ``optimizer.zero_grad``, then ``backward`` on the returned loss divided
+    by ``accumulate_grad_batches``. The guarded ``training_step`` runs the forward *and* backward
+    of the batch under an :class:`OOMGuard` (the original ``training_step`` per piece, its loss
+    weighted by the piece's share of the samples and divided by the accumulation), keeps those
+    gradients apart, and returns the batch's loss detached; the guarded ``backward`` adds the kept
+    gradients where Lightning would have run its backward. Gradients of the window's earlier
+    batches are set aside during the step; on a window's first batch the previous step's stale
+    gradients are dropped at once (Lightning's ``zero_grad`` would drop them before its backward).
+    Installed as instance attributes, removed at ``teardown``. On a split step, ``self.log`` in
+    ``training_step`` runs once per piece.
+
+    Under DDP the guarded ``training_step`` runs inside DDP's forward, so DDP is kept from syncing
+    (``require_backward_grad_sync = False``, as inside ``no_sync``) for the fit: the guard's
+    attempts agree across ranks (every rank splits the same step), and the guarded ``backward``
+    of a window's last batch averages the gradients over the ranks, as DDP would have.
+    """
+
+    def __init__(self, trainer: Any, module: Any, max_splits: int | None):
+        self.trainer, self.module = trainer, module
+        wrapper = trainer.strategy.model
+        self.ddp = wrapper if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel) else None
+        if trainer.world_size > 1 and self.ddp is None:
+            raise AutobatchError(
+                f"AutoBatch(guard=True) splits steps under DDP, but the strategy wrapped the model in "
+                f"{type(wrapper).__name__}; use strategy='ddp', or leave guard out"
+            )
+        if self.ddp is not None:  # DDP would sync inside the guard's backward; the guard averages after the window
+            self.ddp.require_backward_grad_sync = False
+        self.original_step, self.original_backward = module.training_step, module.backward
+        self.guard = OOMGuard(module, self._losses, labels=lambda batch: torch.ones(batch_length(batch), dtype=torch.bool),
+                              max_splits=max_splits)
+        self.pending: list[torch.Tensor | None] | None = None
+        self._args: tuple[Any, ...] = ()
+        self._outputs: list[tuple[int, Any]] = []
+        module.__dict__.update(training_step=self.training_step, backward=self.backward)
+
+    def remove(self) -> None:
+        for name in ("training_step", "backward"):
+            self.module.__dict__.pop(name, None)
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = True
+
+    def _losses(self, module: Any, piece: Any) -> torch.Tensor:
+        out = self.original_step(piece, *self._args)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise AutobatchError(
+                "AutoBatch(guard=True) weighs each piece's loss by its samples, so training_step must return the mean "
+                f"loss (a 0-d tensor, or a dict with 'loss'), but it returned {type(out).__name__}; leave guard out"
+            )
+        n = batch_length(piece)
+        self._outputs.append((n, out))
+        return (loss / self.trainer.accumulate_grad_batches).expand(n)  # OOMGuard sums these, / the batch's samples
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise AutobatchError("AutoBatch(guard=True) passes training_step its batch and batch_idx only")
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            for p in params:
+                p.grad = None
+        self._args, self._outputs = (batch_idx, *args), []
+        with set_aside_gradients(params):
+            done: GuardedStep = self.guard.backward(batch)
+            self.pending = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+        kept = self._outputs[-done.pieces:]  # the attempt that went through
+        loss = sum(n * _loss_of(out).detach() for n, out in kept) / done.samples
+        last = kept[-1][1]
+        return {**last, "loss": loss} if isinstance(last, dict) else loss
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.pending is None:
+            return self.original_backward(loss, *args, **kwargs)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p, g in zip(params, self.pending):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self.pending = None
+        if self.ddp is not None and not self.trainer.fit_loop._should_accumulate():
+            for p in params:  # the window's gradients, averaged over the ranks where DDP would have
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(self.trainer.world_size)
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    return out.get("loss") if isinstance(out, dict) else out
 
 
 def _train_dataloader(trainer: Any) -> Any:

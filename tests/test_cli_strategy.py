@@ -51,6 +51,20 @@ def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
     assert res.exit_code == 2 and "probed under fsdp2" in res.output
 
 
+def test_solve_writes_the_strategy_into_the_configs_deepspeed_reads(tmp_path):
+    from tests.deepspeed_parse import deepspeed_parse
+
+    ds = tmp_path / "ds.json"
+    res = invoke("solve", "--target", "64", "--gpus", "8", "--max-micro", "4", "--strategy", "zero3",
+                 "--offload", "optimizer", "--deepspeed", str(ds))
+    assert res.exit_code == 0, res.output
+    parsed = deepspeed_parse(json.loads(ds.read_text()), world_size=8)
+    assert parsed.zero_optimization_stage == 3 and parsed.train_batch_size == 64
+    assert json.loads(ds.read_text())["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    several = invoke("solve", "--target", "64", "--gpus", "8", "--strategy", "zero2,zero3")
+    assert several.exit_code == 2 and "for one strategy" in several.output
+
+
 @pytest.mark.parametrize("args, match", [
     (("--strategy", "zero4"), "strategy must be one of ddp, fsdp2"),
     (("--offload", "optimizer"), "no --strategy was given"),

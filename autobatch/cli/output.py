@@ -47,10 +47,10 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
 
 
 def print_plan(plan: Any, *, label: str = "", deepspeed: str | None = None, accelerate: str | None = None,
-               script: str = "train.py") -> None:
+               script: str = "train.py", strategy: Any = None) -> None:
     """The plan's arithmetic, then the line each framework needs to run it."""
     typer.echo(label + plan.describe())
-    for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script):
+    for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script, strategy=strategy):
         typer.echo(line)
 
 

@@ -9,6 +9,7 @@ from .options import (
     AccelerateOut,
     AsJson,
     DeepSpeedOut,
+    FsdpUnitOption,
     GpusPerNode,
     HfOut,
     InputShape,
@@ -17,8 +18,10 @@ from .options import (
     MultipleOf,
     Nodes,
     NumClasses,
+    OffloadOption,
     Script,
     SeqLen,
+    StrategyOption,
     Target,
     TrustRemoteCode,
 )
@@ -32,6 +35,7 @@ __all__ = ["solve_command", "check_command"]
 @command("solve", examples=[
     "autobatch solve --target 224 --gpus 16 --max-micro 9",
     "autobatch solve --target 256 --gpus 8 --nodes 2 --max-micro 12 --deepspeed ds.json --hf args.json",
+    "autobatch solve --target 64 --gpus 8 --max-micro 4 --strategy zero3 --deepspeed ds.json",
 ])
 def solve_command(
     target: Target,
@@ -50,15 +54,26 @@ def solve_command(
     keep_auto: bool = typer.Option(False, "--keep-auto", rich_help_panel="Output",
                                    help='Leave "auto" values in the DeepSpeed JSON.'),
     script: Script = "train.py",
+    strategy: StrategyOption = None,
+    offload: OffloadOption = None,
+    fsdp_unit: FsdpUnitOption = None,
     as_json: AsJson = False,
 ) -> None:
     """Micro batch × gradient accumulation × GPUs = --target exactly; write the configs.
 
-    Without --max-micro any per-GPU batch is allowed; `autobatch find` measures it."""
+    Without --max-micro any per-GPU batch is allowed; `autobatch find` measures it. With
+    --strategy the configs train that way (DeepSpeed stage and offload, accelerate's FSDP or
+    DeepSpeed plugin, HF fsdp/deepspeed); probe it with `find --strategy` for the micro batch."""
     import json
 
     from ..configs import write_plan_configs
     from ..planning.solver import solve
+    from .strategies import strategies_from_options
+
+    strategies = strategies_from_options(strategy, offload, fsdp_unit)
+    if strategies is not None and len(strategies) > 1:
+        fail(f"solve writes configs for one strategy, but --strategy names {len(strategies)}; pass one")
+    chosen = None if strategies is None else strategies[0]
 
     plan = solve(
         target, gpus, nodes, max_micro, min_micro=min_micro, multiple_of=multiple_of,
@@ -66,12 +81,12 @@ def solve_command(
     )
     changes: list[str] = []
     written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, keep_auto=keep_auto,
-                                 written=outputs(), changes=changes)
+                                 written=outputs(), changes=changes, strategy=chosen)
     if as_json:
         typer.echo(json.dumps({**plan.to_dict(), **written, **({"changes": changes} if changes else {})},
                               indent=2, ensure_ascii=False))
         return
-    print_plan(plan, deepspeed=deepspeed, accelerate=accelerate, script=script)
+    print_plan(plan, deepspeed=deepspeed, accelerate=accelerate, script=script, strategy=chosen)
     print_written(written)
     for line in changes:
         typer.echo(f"updated {line}")

@@ -33,7 +33,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 from .checking.accumulation import LossNormaliser, count_loss_tokens
 from .errors import AutobatchError
-from .probing.oom import is_oom_error
+from .probing.oom import is_oom_error, oom_message
 
 __all__ = [
     "OOMGuard", "GuardedStep", "split_batch", "batch_length", "any_rank", "split_until_it_fits", "set_aside_gradients",
@@ -136,9 +135,7 @@ def split_until_it_fits(
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            # The traceback's frames hold the failed attempt's activations: free them now.
-            traceback.clear_frames(exc.__traceback__)
-            failure = str(exc).splitlines()[0][:200]
+            failure = oom_message(exc, 200)  # its frames hold the failed attempt's activations
         if failure is not None:  # free the failed attempt's gradients before the flag's collective
             for p in params:
                 p.grad = None

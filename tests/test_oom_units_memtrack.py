@@ -115,3 +115,23 @@ def test_tracker_budget_raises_a_cuda_style_oom():
         with tracker:
             torch.zeros(1000)
     assert is_oom_error(info.value) and "CUDA out of memory." in str(info.value)
+
+
+def test_oom_message_is_the_first_line_and_frees_the_failed_steps_frames() -> None:
+    import gc
+    import weakref
+
+    from autobatch.probing.oom import oom_message
+
+    def step() -> None:
+        activations = torch.zeros(1000)
+        held.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    held: list = []
+    try:
+        step()
+    except Exception as exc:
+        assert oom_message(exc) == "CUDA out of memory. Tried to allocate 2.00 GiB"
+        gc.collect()
+        assert held[0]() is None  # the frame's tensor is gone while the error is still in hand

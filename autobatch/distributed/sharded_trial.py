@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import gc
 import time
-import traceback
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ import torch
 
 from ..errors import AutobatchError
 from ..probing.backends import MemoryBackend
-from ..probing.oom import is_oom_error
+from ..probing.oom import is_oom_error, oom_message
 from ..probing.trial import Trial, to_device
 from ..probing.workload import Workload, resolve_dtype
 from ..strategy import Strategy
@@ -153,8 +152,7 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            error = str(exc).splitlines()[0][:300]
-            traceback.clear_frames(exc.__traceback__)
+            error = oom_message(exc)
             read(phase if wrapped is not None else "forward_backward")
         finally:
             if wrapped is not None:

@@ -34,7 +34,6 @@ import gc
 import inspect
 import logging
 import time
-import traceback
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import replace
@@ -55,7 +54,7 @@ from ..guard import OOMGuard
 from ..planning.plan import Plan, require_positive_int
 from ..planning.solver import solve
 from ..probing.backends import CudaBackend, MemoryBackend
-from ..probing.oom import is_oom_error
+from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import borrowed_model
 from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
@@ -220,8 +219,7 @@ def find_executable_batch_size(
                 except Exception as exc:
                     if not is_oom_error(exc):
                         raise
-                    traceback.clear_frames(exc.__traceback__)
-                    line = str(exc).splitlines()[0][:200]
+                    line = oom_message(exc, 200)
             _clear()
             if not searched:
                 searched = True
@@ -374,8 +372,7 @@ def _trial(
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            traceback.clear_frames(exc.__traceback__)
-            error = str(exc).splitlines()[0][:300]
+            error = oom_message(exc)
         finally:
             for handle in handles:
                 handle.remove()

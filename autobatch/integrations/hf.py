@@ -33,7 +33,7 @@ import torch
 from ..errors import AutobatchError
 from ..planning.plan import Plan, require_positive_int
 from ..probing.backends import MemoryBackend
-from ..probing.oom import is_oom_error
+from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import borrowed_model
 from ..probing.probe import DEFAULT_HEADROOM, make_backend
 from ..probing.result import ProbeResult
@@ -115,8 +115,7 @@ def probe_eval_batch(
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                error = str(exc).splitlines()[0][:300]
-                exc.__traceback__ = None
+                error = oom_message(exc)
             peak = backend.peak()
         backend.release()
         return Trial(batch_size, error is None, peak.allocated, peak.reserved, peak.reserved, peak.reserved,

@@ -8,13 +8,12 @@ model in eval mode, and so does this trial.
 
 from __future__ import annotations
 
-import traceback
 from contextlib import nullcontext
 
 import torch
 
 from .backends import MemoryBackend
-from .oom import is_oom_error
+from .oom import is_oom_error, oom_message
 from .trial import Trial, to_device
 from .workload import Workload, resolve_dtype
 
@@ -51,8 +50,7 @@ def run_eval_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBa
             except Exception as exc:
                 if not is_oom_error(exc):
                     raise
-                error = str(exc).splitlines()[0][:300]
-                traceback.clear_frames(exc.__traceback__)
+                error = oom_message(exc)
             peak = backend.peak()
     finally:
         for module, training in modes:

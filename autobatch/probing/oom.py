@@ -1,12 +1,15 @@
 """Out-of-memory detection: one tiny pure function.
 
 Everything the probe catches goes through :func:`is_oom_error`; any exception for which it
-returns ``False`` is re-raised untouched.
+returns ``False`` is re-raised untouched. :func:`oom_message` is what every catcher does next
+with one that is.
 """
 
 from __future__ import annotations
 
-__all__ = ["is_oom_error"]
+import traceback
+
+__all__ = ["is_oom_error", "oom_message"]
 
 # Messages of allocators and libraries that signal OOM as a RuntimeError (or a subclass such as
 # torch.AcceleratorError, which C10_CUDA_CHECK raises since torch 2.8) instead of OutOfMemoryError.
@@ -62,3 +65,13 @@ def _is_communication_error(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and isinstance(exc, dist.DistError)
+
+
+def oom_message(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an out-of-memory error, once its traceback's frames are cleared.
+
+    The frames hold the failed step's tensors: they must go before anything is measured or tried
+    again. Call it only for an ``exc`` that :func:`is_oom_error` accepted.
+    """
+    traceback.clear_frames(exc.__traceback__)
+    return str(exc).splitlines()[0][:limit] if str(exc) else type(exc).__name__

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import traceback
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 
 from .backends import MemoryBackend
-from .oom import is_oom_error
+from .oom import is_oom_error, oom_message
 from .workload import Workload, make_optimizer, resolve_dtype
 
 __all__ = ["Trial", "run_trial", "forward_backward", "to_device"]
@@ -138,9 +137,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
-            error = str(exc).splitlines()[0][:300]
-            # The traceback's frames hold the failed step's tensors; drop them before measuring.
-            traceback.clear_frames(exc.__traceback__)
+            error = oom_message(exc)
             peaks.read(phase)
         finally:
             del optimizer

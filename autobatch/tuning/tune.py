@@ -29,7 +29,7 @@ import torch
 from ..errors import AutobatchError, MissingDependencyError
 from ..planning.plan import require_positive_int
 from ..probing.backends import MemoryBackend
-from ..probing.oom import is_oom_error
+from ..probing.oom import is_oom_error, oom_message
 from ..probing.probe import DEFAULT_HEADROOM, make_backend
 from ..probing.result import ProbeResult
 from ..probing.workload import Workload
@@ -270,8 +270,9 @@ def tune(
                                           steps=timed_steps, on_step=report)
             except Exception as exc:
                 if is_oom_error(exc):
-                    trial.set_user_attr("error", str(exc).splitlines()[0][:300])
-                    raise _PlanOutOfMemory(str(exc).splitlines()[0][:300]) from None
+                    message = oom_message(exc)
+                    trial.set_user_attr("error", message)
+                    raise _PlanOutOfMemory(message) from None
                 raise
             trial.set_user_attr("seconds_per_step", seconds)
             return rate

@@ -124,10 +124,9 @@ def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, lo
                         outputs: dict[str, Any], as_json: bool) -> None:
     """``estimate --strategy``: rank 0 of W's sharded steps against the GPU's usable memory, one row each.
 
-    FSDP (fsdp2, fsdp1) trains on fake tensors (:func:`~autobatch.estimating.estimate.fake_backend`):
-    no memory, seconds at any size. DDP's reducer and DeepSpeed's engine read their tensors' data,
-    so those strategies run real steps on this machine's CPU (rank 0's share of its memory and
-    time); the output says which. With one strategy and ``--target``, the plan is solved and the
+    FSDP and ZeRO train on fake tensors (:func:`~autobatch.estimating.estimate.fake_backend`): no
+    memory, seconds at any size. DDP's reducer reads its tensors' data, so ``ddp`` runs real steps
+    on this machine's CPU (rank 0's share of its memory and time); the output says which. With one strategy and ``--target``, the plan is solved and the
     configs are written with it.
     """
     import json
@@ -147,7 +146,7 @@ def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, lo
     how: dict[str, str] = {}
 
     def setup(chosen: Strategy) -> tuple[Any, Any]:
-        if chosen.is_fsdp:
+        if chosen.name != "ddp":
             workload = load_fake_model(model, **load).to_workload(**settings)
             template = workload.model if isinstance(workload.model, torch.nn.Module) else None
             backend = None if template is None else fake_backend(template, usable)

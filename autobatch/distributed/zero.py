@@ -153,6 +153,30 @@ def _no_shm_comm() -> Any:
             module.build_shm_op = saved  # type: ignore[attr-defined]
 
 
+@contextmanager
+def _stays_on(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """The engine's ``module.to(device)`` is skipped for the trial's copy when it is there already.
+
+    A fake tensor (a trace of the step, no memory) cannot be moved in place by ``Module.to``,
+    which swaps it; a copy already on the device needs no move.
+    """
+    if any(t.device != device for t in [*model.parameters(), *model.buffers()]):
+        yield
+        return
+    model.to = lambda *args, **kwargs: model  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.to
+
+
+_RANK_CHECKS = ("assert_ints_same_as_other_ranks", "assert_lst_len_same_as_other_ranks")
+
+
+def _skipped(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 class _Globals:
     """DeepSpeed state kept in module globals, put back as it was when the wrapper closes.
 
@@ -173,8 +197,25 @@ class _Globals:
         self.stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
         self.depth = len(self.stack) if isinstance(self.stack, list) else 0
         self.cuda_device: int | None = None  # the caller's current GPU, set back when the trial ends
+        self.checks: list[tuple[Any, str, Any]] = []
+
+    def skip_rank_checks(self) -> None:
+        """On the fake group, DeepSpeed's "same on every rank" checks compare rank 0 with itself:
+        they read broadcast values, which a fake-tensor trace does not have. Skip them until
+        :meth:`destroy` (every module that imported them, as it was)."""
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] != "deepspeed" or module is None:
+                continue
+            for check in _RANK_CHECKS:
+                original = vars(module).get(check)
+                if callable(original):
+                    self.checks.append((module, check, original))
+                    setattr(module, check, _skipped)
 
     def destroy(self) -> None:
+        for module, check, original in self.checks:
+            setattr(module, check, original)
+        self.checks.clear()
         if self.cuda_device is not None:
             torch.cuda.set_device(self.cuda_device)
         for key, value in self.saved.items():
@@ -203,6 +244,8 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
     import deepspeed.comm.torch  # noqa: F401 - loaded so its op builder can be skipped
 
     saved_globals = _Globals()
+    if dist.get_backend() == "fake":
+        saved_globals.skip_rank_checks()
 
     config = zero_config(model, strategy, batch=batch, world_size=dist.get_world_size(), dtype=workload.dtype,
                          user_config=user_config)
@@ -214,7 +257,7 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
             saved_globals.cuda_device = torch.cuda.current_device()
             torch.cuda.set_device(device)
         optimizer = make_optimizer(workload.optimizer, [p for p in model.parameters() if p.requires_grad])
-        with _no_shm_comm(), _logs_on_stderr():
+        with _no_shm_comm(), _logs_on_stderr(), _stays_on(model, device):
             engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     finally:
         logger.setLevel(level)

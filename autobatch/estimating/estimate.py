@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for, require_materialized
@@ -119,6 +120,34 @@ class _FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _ZeroScalars(TorchDispatchMode):
+    """A fake tensor read as a Python value (``.item()``, ``bool(t)``) reads one, or False.
+
+    Wrappers read their gradients' norm (is it finite?) and their optimizer's step count between
+    steps; a trace has no values. One (and False for a flag) takes the path of a normal step
+    without overflow, whose memory is the one that counts, and divides by nothing that is zero.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
+
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            try:
+                return func(*args, **(kwargs or {}))  # a tensor made from a Python number knows it
+            except DataDependentOutputException:
+                dtype = args[0].dtype
+                return False if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        if func.namespace == "c10d":
+            # On the fake group a collective moves no data: this rank's values stay what they were
+            # (DeepSpeed broadcasts a list's length and reads it back to compare).
+            known = [(t, t.constant) for t in args if isinstance(t, FakeTensor) and t.constant is not None]
+            out = func(*args, **(kwargs or {}))
+            for tensor, constant in known:
+                tensor.constant = constant
+            return out
+        return func(*args, **(kwargs or {}))
+
+
 class _FakeBackend(SimulatedBackend):
     """A backend whose trials run on fake tensors: peaks are exact storage bytes, no budget.
 
@@ -151,6 +180,7 @@ class _FakeBackend(SimulatedBackend):
     def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         with ExitStack() as stack:
             stack.enter_context(self.fake_mode)
+            stack.enter_context(_ZeroScalars())
             if self.fused_attention:
                 stack.enter_context(_FusedAttention())
             stack.enter_context(super().track_deferred(resident))

@@ -132,7 +132,7 @@ def test_fsdp_and_zero_on_fake_tensors_take_the_same_trials_as_real_steps() -> N
     """`estimate --strategy` traces FSDP and ZeRO on fake tensors: byte for byte what real steps measure."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autobatch.estimating.estimate import fake_backend
+    from autobatch.estimating.fake_backends import fake_backend
 
     mode = FakeTensorMode()
     with mode:

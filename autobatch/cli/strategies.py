@@ -124,7 +124,7 @@ def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, lo
                         outputs: dict[str, Any], as_json: bool) -> None:
     """``estimate --strategy``: rank 0 of W's sharded steps against the GPU's usable memory, one row each.
 
-    FSDP and ZeRO train on fake tensors (:func:`~autobatch.estimating.estimate.fake_backend`): no
+    FSDP and ZeRO train on fake tensors (:func:`~autobatch.estimating.fake_backends.fake_backend`): no
     memory, seconds at any size. DDP's reducer reads its tensors' data, so ``ddp`` runs real steps
     on this machine's CPU (rank 0's share of its memory and time); the output says which. With one strategy and ``--target``, the plan is solved and the
     configs are written with it.
@@ -135,7 +135,8 @@ def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, lo
     import typer
 
     from ..configs import write_plan_configs
-    from ..estimating.estimate import fake_backend, gpu_attention_backend, load_fake_model
+    from ..estimating.estimate import load_fake_model
+    from ..estimating.fake_backends import fake_backend, gpu_attention_backend
     from ..models import load_model
     from ..units import format_bytes
     from ._app import outputs as written_so_far

@@ -20,7 +20,8 @@ from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype
 from ..units import format_bytes
-from .estimate import Estimate, _enable_checkpointing, _FakeBackend, _mode_of, _new_fake_mode, _on_gpu, fake_model, trace_trial
+from .estimate import Estimate, _enable_checkpointing, _on_gpu, fake_model, trace_trial
+from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 
 from ..probing.workload import Workload
-from .estimate import _enable_checkpointing, _mode_of, _new_fake_mode, fake_model, trace_trial
+from .estimate import _enable_checkpointing, fake_model, trace_trial
+from .fake_backends import _mode_of, _new_fake_mode
 
 __all__ = ["trace_prior"]
 

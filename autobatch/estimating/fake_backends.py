@@ -1,0 +1,163 @@
+"""The backends a trace runs on: fake tensors (no memory), or real CPU steps with a GPU's attention.
+
+:class:`_FakeBackend` is the simulated backend's storage counter entered under ``FakeTensorMode``:
+a trial costs the same at any batch and holds no data. Sharded trials run on it too
+(:func:`fake_backend`), where the wrappers' reads of values are stood in for (:class:`_ZeroScalars`).
+:func:`gpu_attention_backend` is a simulated budget for real CPU steps that takes attention's memory
+as a GPU's fused kernel does, like the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..probing.backends import DeviceInfo, SimulatedBackend
+
+__all__ = ["fake_backend", "gpu_attention_backend"]
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Route SDPA to the fused CPU kernel, whose saved tensors have flash attention's O(seq) size.
+
+    Under fake tensors SDPA otherwise takes the math path and keeps the O(seq²) probabilities,
+    which a GPU's flash/memory-efficient kernels never store. Only calls the model makes itself
+    are routed: SDPA inside another overridable function (``nn.MultiheadAttention``) stays on the
+    math path, which over-counts, so the estimate errs small.
+    """
+
+    _NAMES = ("attn_mask", "dropout_p", "is_causal")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention and not kwargs.get("enable_gqa", False):
+            q, k, v = args[:3]
+            options = {**dict(zip(self._NAMES, args[3:])), **kwargs}
+            if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:  # grouped-query heads: leave to the math path
+                # Without dropout: the CPU kernel takes none on real tensors, and a GPU's fused
+                # kernel keeps no dropout mask (it regenerates it), so the memory is the same.
+                out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, 0.0, options.get("is_causal", False),
+                    attn_mask=options.get("attn_mask"), scale=options.get("scale"),
+                )
+                return out
+        return func(*args, **kwargs)
+
+
+class _ZeroScalars(TorchDispatchMode):
+    """A fake tensor read as a Python value (``.item()``, ``bool(t)``) reads one, or False.
+
+    Wrappers read their gradients' norm (is it finite?) and their optimizer's step count between
+    steps; a trace has no values. One (and False for a flag) takes the path of a normal step
+    without overflow, whose memory is the one that counts, and divides by nothing that is zero.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
+
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            try:
+                return func(*args, **(kwargs or {}))  # a tensor made from a Python number knows it
+            except DataDependentOutputException:
+                dtype = args[0].dtype
+                return False if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        if func.namespace == "c10d":
+            # On the fake group a collective moves no data: this rank's values stay what they were
+            # (DeepSpeed broadcasts a list's length and reads it back to compare).
+            known = [(t, t.constant) for t in args if isinstance(t, FakeTensor) and t.constant is not None]
+            out = func(*args, **(kwargs or {}))
+            for tensor, constant in known:
+                tensor.constant = constant
+            return out
+        return func(*args, **(kwargs or {}))
+
+
+class _FakeBackend(SimulatedBackend):
+    """A backend whose trials run on fake tensors: peaks are exact storage bytes, no budget.
+
+    The simulated backend's storage counter, entered under ``FakeTensorMode``: its
+    ``reset_peak``/``peak``/``allocated_bytes`` are the simulated backend's own.
+    """
+
+    def __init__(self, fake_mode: Any, fused_attention: bool, capacity: int = 1 << 62):
+        # By default no budget: the search's capacity is the GPU's, not this one's. A sharded
+        # trial (track_deferred) compares its peak with ``capacity`` at the step's end instead.
+        super().__init__(capacity)
+        self.fake_mode = fake_mode
+        self.fused_attention = fused_attention
+
+    def info(self) -> DeviceInfo:
+        return DeviceInfo("fake", "fake tensors", None, None, None, None, self.capacity())
+
+    @contextmanager
+    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self.fake_mode)
+            if self.fused_attention:
+                stack.enter_context(_FusedAttention())
+            self._tracker.add(resident)
+            self._tracker.reset_peak()
+            stack.enter_context(self._tracker)
+            yield
+
+    @contextmanager
+    def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self.fake_mode)
+            stack.enter_context(_ZeroScalars())
+            if self.fused_attention:
+                stack.enter_context(_FusedAttention())
+            stack.enter_context(super().track_deferred(resident))
+            yield
+
+
+class _GpuAttention(SimulatedBackend):
+    """A simulated budget on real CPU tensors whose trials run attention as a GPU would (fused)."""
+
+    @contextmanager
+    def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with _FusedAttention(), super().track(resident):
+            yield
+
+    @contextmanager
+    def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+        with _FusedAttention(), super().track_deferred(resident):
+            yield
+
+
+def gpu_attention_backend(capacity: int) -> SimulatedBackend:
+    """A simulated ``capacity`` for real CPU steps that estimate a GPU: attention takes the fused
+    kernel's memory, as on the GPU and as in the fake-tensor trace, not the CPU's math path."""
+    return _GpuAttention(capacity)
+
+
+def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool = True) -> SimulatedBackend | None:
+    """A backend whose trials run ``model``'s step on fake tensors against ``capacity``; ``None``
+    when ``model`` is not built on fake tensors (see :func:`load_fake_model`).
+
+    Sharded trials (:func:`autobatch.probe_sharded`) on it cost no memory and the same time at
+    any batch; they decide fit at the step's end from the traced peak.
+    """
+    mode = _mode_of(model)
+    return None if mode is None else _FakeBackend(mode, fused_attention, capacity)
+
+
+def _new_fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Batches are built inside the mode, so real inputs never appear; the model is converted.
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def _mode_of(model: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            return p.fake_mode if isinstance(p, FakeTensor) else None
+    return None

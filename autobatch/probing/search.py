@@ -50,6 +50,10 @@ class SearchOutcome:
     trials: tuple[Trial, ...]
 
 
+class _NoPrior(Exception):
+    """The prior answered NaN (its trace failed): the search drops it and goes on from its trials."""
+
+
 class _Search:
     def __init__(self, run: Callable[[int], Trial], capacity: int, min_batch: int, max_batch: int,
                  prior: Curve | None):
@@ -92,19 +96,12 @@ class _Search:
         and a trial that fits is worth more than one that fails (it adds a point to the model).
         One that has sent ``cautious`` trials running past the boundary aims twice as low each time.
         """
-        limit = self.capacity
         if self.prior is not None:
-            # Where the optimizer step set a point's peak, the curve changes regime after it: its
-            # error there says how many bytes per sample the prior misses, not by what factor.
-            points = self.totals
-            curve = calibrate(self.prior, points, self.growing)
-            # One point: the offset is known, the scale a guess, unless the prior already had
-            # that point right (within a tenth of a percent): then it is trusted as it is.
-            guessed = abs(points[self.lo] - self.prior(self.lo)) > _TRUSTED * points[self.lo]
-            far = len(points) == 1 and guessed and crossing(curve, limit, self.lo, self.cap) > 1.5 * self.lo
-            if far or cautious:
-                limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - points[self.lo])
-            return crossing(curve, limit, self.lo, self.cap)
+            try:
+                return self.from_prior(cautious)
+            except _NoPrior:
+                self.prior = None  # from here on the trials alone lead, as if none had been given
+        limit = self.capacity
         if len(self.phases[0]) == 1 or cautious:
             limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - self.phases[0][self.lo])
         curve = ladder(self.phases[0], self.resident)
@@ -116,6 +113,29 @@ class _Search:
         if line is not None:
             best = min(best, max(self.lo, int((self.capacity - line[0]) // line[1])))
         return best
+
+    def from_prior(self, cautious: int) -> int:
+        """:meth:`estimate` from the prior, calibrated to the trials; :class:`_NoPrior` if it answers NaN."""
+        prior = self.prior
+
+        def known(batch: int) -> float:
+            value = prior(batch)
+            if not math.isfinite(value):
+                raise _NoPrior
+            return value
+
+        limit = self.capacity
+        # Where the optimizer step set a point's peak, the curve changes regime after it: its
+        # error there says how many bytes per sample the prior misses, not by what factor.
+        points = self.totals
+        curve = calibrate(known, points, self.growing)
+        # One point: the offset is known, the scale a guess, unless the prior already had
+        # that point right (within a tenth of a percent): then it is trusted as it is.
+        guessed = abs(points[self.lo] - known(self.lo)) > _TRUSTED * points[self.lo]
+        far = len(points) == 1 and guessed and crossing(curve, limit, self.lo, self.cap) > 1.5 * self.lo
+        if far or cautious:
+            limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - points[self.lo])
+        return crossing(curve, limit, self.lo, self.cap)
 
     def reach(self) -> int:
         """The furthest batch one trial may try."""
@@ -204,8 +224,9 @@ def search_max(
         min_batch: the smallest batch allowed (2 for BatchNorm models).
         max_batch: an explicit cap; the outcome says when the cap, not memory, was the limit.
         prior: a predicted peak in bytes at any batch (nondecreasing), e.g. from the fake-tensor
-            trace (:func:`autobatch.estimate`); calibrated to the trials as they come, so a
-            constant or proportional error in it costs nothing.
+            trace (:func:`autobatch.trace_prior`); calibrated to the trials as they come, so a
+            constant or proportional error in it costs nothing. A prior that answers NaN (its
+            trace failed) is dropped, and the search goes on from its trials alone.
 
     Example:
         >>> from autobatch.probing.trial import Trial

@@ -41,6 +41,7 @@ _REACH = 1.5             # without a prior: how far past the curvature bound one
 _MARGIN = 0.2            # share of the headroom a one-point model aims low
 _TRUSTED = 0.001         # a prior this close to the first trial is trusted without a margin
 _STALLS = 3               # model-led trials that did not halve the bracket before it is bisected
+_BACK = 4                 # a step back from a failure: a quarter of the model's last move or of the bracket, ×4 on
 
 
 @dataclass(frozen=True)
@@ -161,10 +162,22 @@ class _Search:
         side, streak, stalls = 0, 0, 0  # side: +1 misses that fit (model too low), -1 that failed
         placed = None  # a fit where a settled model put the boundary: does the model stay there?
         bisecting = False
+        back, scale = None, 0  # a step back from the failure, and the last one that found a fit
+        previous = moved = None  # the settled prior's last guess, and how far its guess last moved
         while not self.done:
+            if back is not None:
+                below = self.hi - back
+                if self.attempt(self.clamp(below if below > self.lo else self.bisect())):
+                    scale, back = back, None
+                else:
+                    back *= _BACK
+                continue
             width = self.upper - self.lo
             settled = side >= 0 and len(self.totals) > 1
             guess = self.estimate(0 if settled else streak)
+            if settled and guess is not None and self.prior is not None:
+                moved = None if previous is None else abs(guess - previous)
+                previous = guess
             if placed is not None:
                 if guess is not None and guess > placed:
                     # The model moved the boundary up past its own fit: it creeps (a staircase's
@@ -197,6 +210,12 @@ class _Search:
                 if self.hi is not None:
                     stalls = stalls + 1 if self.upper - self.lo > width / 2 else 0
                 said_fits = batch <= guess
+                if said_fits and not fits and settled and moved is not None:
+                    # A calibrated prior that failed is off by about what it last moved (or by
+                    # what the previous step back needed): step back from the failure by a
+                    # quarter of that, growing, instead of trusting it again just below.
+                    back = max(1, moved // _BACK, scale // _BACK, (self.hi - self.lo) // _BACK)
+                    continue
                 if fits and batch == guess and settled:
                     placed = batch
                 elif fits != said_fits:

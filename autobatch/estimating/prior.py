@@ -3,7 +3,8 @@
 A real trial costs seconds to minutes and can run out of memory; a traced one costs the same
 small time at any batch and touches no device. :func:`trace_prior` traces the workload's
 training step (the estimate's :func:`~autobatch.estimating.estimate.trace_trial`) at the smallest
-batch and at 4, 16, 64, … as the search asks for them, and joins them by straight lines. The
+batch and at 4, 16, 64, … as the search asks for them, and joins each phase's peaks (forward and
+backward; the optimizer step) by straight lines; the prior is the larger of the two. The
 search (:func:`~autobatch.probing.search.search_max`) calibrates this curve against the real
 trials (offset, scale, per-sample bytes), so what the trace cannot see — the CUDA context, the
 allocator's cache, a kernel's workspace — costs at most a trial, not a wrong answer: the answer
@@ -62,12 +63,14 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable
                 _enable_checkpointing(model)
     model.train()
     first = min_batch if min_batch is not None else min_batch_for(model)
-    peaks: dict[int, float] = {}
+    peaks: dict[int, tuple[float, float]] = {}
 
-    def traced(batch: int) -> float:
+    def traced(batch: int) -> tuple[float, float]:
         if batch not in peaks:
             with torch.random.fork_rng(devices=[]):
-                peaks[batch] = float(trace_trial(workload, model, batch, fake_mode=mode).reserved_bytes)
+                trial = trace_trial(workload, model, batch, fake_mode=mode)
+            peaks[batch] = (float(trial.forward_backward_bytes or trial.reserved_bytes),
+                            float(trial.optimizer_bytes or trial.reserved_bytes))
         return peaks[batch]
 
     def prior(batch: int) -> float:
@@ -78,9 +81,11 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable
         while high <= batch:
             low, high = high, high * _GRID
         if low == batch:
-            return traced(batch)
-        y0, y1 = traced(low), traced(high)
-        return y0 + (y1 - y0) * (batch - low) / (high - low)
+            return max(traced(batch))
+        # Each phase joined by a line, then the larger: the optimizer's flat peak and the
+        # activations' slope each interpolate well, their maximum (a corner) does not.
+        t = (batch - low) / (high - low)
+        return max(y0 + (y1 - y0) * t for y0, y1 in zip(traced(low), traced(high)))
 
     return prior
 

@@ -26,7 +26,13 @@ import torch
 
 from ..modelinfo import min_batch_for
 from ..probing.workload import Workload
-from .estimate import _enable_checkpointing, _mode_of, _new_fake_mode, fake_model, trace_trial
+from .estimate import (
+    _enable_checkpointing,
+    _mode_of,
+    _new_fake_mode,
+    fake_model,
+    trace_trial,
+)
 
 __all__ = ["trace_prior", "try_trace_prior"]
 

@@ -254,21 +254,16 @@ def _rehome(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
     which cannot meet the inputs' in one step."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    moved: dict[int, torch.Tensor] = {}
-
-    def home(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in moved:
-            with fake_mode:
-                fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            moved[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(
-                t, torch.nn.Parameter) else fresh
-        return moved[id(t)]
-
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if isinstance(t, FakeTensor) and t.fake_mode is not fake_mode:
-                    table[name] = home(t)
+    moved: dict[int, torch.Tensor] = {}  # by the old tensor, so tied weights stay tied
+    for table in [t for module in model.modules() for t in (module._parameters, module._buffers)]:
+        for name, t in table.items():
+            if isinstance(t, FakeTensor) and t.fake_mode is not fake_mode:
+                if id(t) not in moved:
+                    with fake_mode:
+                        fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    is_param = isinstance(t, torch.nn.Parameter)
+                    moved[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if is_param else fresh
+                table[name] = moved[id(t)]
     return model
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError
+from .estimating.prior import try_trace_prior
 from .planning.plan import Plan
 from .planning.solver import solve
 from .probing.backends import MemoryBackend
@@ -115,6 +116,7 @@ def find_plan(
     cache_root: Path | None = None,
     strategy: Strategy | str | None = None,
     deepspeed_config: dict[str, Any] | None = None,
+    use_trace_prior: bool = True,
 ) -> Finding:
     """Probe ``workload`` on ``backend`` and solve for ``target`` with the safe batch as the limit.
 
@@ -128,6 +130,12 @@ def find_plan(
     (:func:`autobatch.distributed.simulated_world.probe_sharded`): the answer is per rank, for
     that many GPUs, from one device. Such probes are not cached. ``deepspeed_config`` is the
     user's DeepSpeed file, whose bucket sizes a ZeRO probe uses.
+
+    With ``use_trace_prior`` (the default) an unwrapped probe's search is led by the fake-tensor
+    trace of the same step (:func:`~autobatch.estimating.prior.try_trace_prior`), calibrated
+    against the real trials: fewer trials, the same exact answer (it rests on trials that fit
+    and fail). A model the trace cannot follow is searched from its trials alone; ``False``
+    skips the trace (CLI: ``--no-trace-prior``).
     """
     from .tuning.cache import cached_probe
 
@@ -143,8 +151,12 @@ def find_plan(
                                headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial)
         cached = False
     else:
+        def make_prior() -> Callable[[int], float] | None:
+            return try_trace_prior(workload, min_batch=min_micro) if use_trace_prior else None
+
         result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro,
-                                      headroom=headroom, on_trial=on_trial, use_cache=use_cache, root=cache_root)
+                                      headroom=headroom, on_trial=on_trial, use_cache=use_cache, root=cache_root,
+                                      make_prior=make_prior)
         # an unwrapped probe on one device: DDP's buckets are taken off for several ranks
         result = for_data_parallel(result, gpus_per_node * nodes // max(1, model_parallel))
     plan = plan_from_probe(result, target=target, gpus_per_node=gpus_per_node, nodes=nodes,
@@ -191,7 +203,8 @@ def find(
         loss_fn, optimizer, dtype, grad_checkpointing: as in :class:`~autobatch.Workload`.
         device, memory: ``"cuda"`` (default when available) or ``"cpu"`` with a simulated ``memory``.
         options: passed to :func:`find_plan` (``gpus_per_node``, ``nodes``, ``headroom``,
-            ``strategy`` — e.g. ``strategy="zero3", gpus_per_node=8`` probes one rank of eight under ZeRO-3 …).
+            ``strategy`` — e.g. ``strategy="zero3", gpus_per_node=8`` probes one rank of eight under ZeRO-3 …;
+            ``use_trace_prior=False`` searches without the fake-tensor trace's lead).
 
     Example:
         >>> import torch, autobatch

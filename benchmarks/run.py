@@ -176,10 +176,12 @@ def _markdown(records: list[dict[str, Any]], summary: dict[str, Any], meta: dict
     ] or ["- none"]
     lines += [
         "",
-        "Small batches whose peak is set by the optimizer step or the gradients rather than the "
-        "activations (the MLP: AdamW's step sets it below a few hundred samples) give a flat line, "
-        "so the search climbs by chords before the line reaches the boundary; a prediction one or "
-        "two past the boundary costs one or two trials back down (see docs/search.md).",
+        "Without a prior the search never trusts a chord: one or two points cannot rule out a curve "
+        "that bends up behind them (the contrastive model's b × b similarity matrix), so each trial "
+        "stays within 1.5× of what the most curved such curve allows, and a flat start (the MLP: "
+        "AdamW's step sets the peak below a few hundred samples) is climbed in bounded steps. With "
+        "the trace as prior (`autobatch find`'s default) the first trial calibrates it and, on "
+        "curves the trace follows closely, the second lands on the boundary (see docs/search.md).",
     ]
     lines += ["", meta["method"]]
     return "\n".join(lines) + "\n"

@@ -38,9 +38,10 @@ def test_with_the_trace_as_prior_median_four_trials_and_few_failures(results, fa
     assert row["median trials"] <= 4, (family, row)
     assert row["mean OOM trials"] <= 1.5, (family, row)
     if family == "staircase":
-        # Rounding jitter of up to 80 MiB where a sample is tens of KiB leaves the boundary
-        # hundreds of batches wide in the worst curves: bisection's share, measured, not the goal.
-        assert row["p90"] <= 8 and row["max"] <= 20, row
+        # Rounding jitter of up to 80 MiB where a sample is a few KiB leaves the boundary
+        # hundreds of batches wide in the worst curves: bisection's share, measured (the full
+        # grid: p90 8, max 20), not the goal of 6 and 12.
+        assert row["p90"] <= 7 and row["max"] <= 19, row
     else:
         assert row["p90"] <= 6 and row["max"] <= 12, (family, row)
 

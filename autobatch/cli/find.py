@@ -101,6 +101,10 @@ def find_command(
     gpu: GpuName = None,
     gpu_memory: GpuMemory = None,
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again even when a result for this setup is cached."),
+    no_trace_prior: bool = typer.Option(
+        False, "--no-trace-prior",
+        help="Search with real trials alone, without the fake-tensor trace of the step leading them (same answer).",
+    ),
     deepspeed: DeepSpeedOut = None,
     accelerate: AccelerateOut = None,
     hf: HfOut = None,
@@ -269,7 +273,7 @@ def find_command(
             else:
                 finding = find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=max_micro,
                                     min_micro=min_micro, headroom=room, on_trial=progress,
-                                use_cache=not no_cache, **planning)
+                                    use_cache=not no_cache, use_trace_prior=not no_trace_prior, **planning)
     plan = finding.plan
     changes: list[str] = []
     written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, written=outputs(),

@@ -122,7 +122,7 @@ def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode
             built = model()
         if not isinstance(built, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(built).__name__}")
-        return require_materialized(built)
+        return _rehome(require_materialized(built), fake_mode)
     require_materialized(model)
     if _mode_of(model) is fake_mode:
         return model
@@ -132,6 +132,25 @@ def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode
     for b in model.buffers():
         memo[id(b)] = fake_mode.from_tensor(b)
     return copy.deepcopy(model, memo)
+
+
+def _rehome(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
+    """Give every fake parameter and buffer ``fake_mode``: a module deep-copied while the model
+    was built (``nn.TransformerEncoder`` copies its layer) holds fake tensors of a mode of its own,
+    which cannot meet the inputs' in one step."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    moved: dict[int, torch.Tensor] = {}  # by the old tensor, so tied weights stay tied
+    for table in [t for module in model.modules() for t in (module._parameters, module._buffers)]:
+        for name, t in table.items():
+            if isinstance(t, FakeTensor) and t.fake_mode is not fake_mode:
+                if id(t) not in moved:
+                    with fake_mode:
+                        fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    is_param = isinstance(t, torch.nn.Parameter)
+                    moved[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if is_param else fresh
+                table[name] = moved[id(t)]
+    return model
 
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:

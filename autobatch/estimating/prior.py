@@ -2,35 +2,51 @@
 
 A real trial costs seconds to minutes and can run out of memory; a traced one costs the same
 small time at any batch and touches no device. :func:`trace_prior` traces the workload's
-training step (the estimate's :func:`~autobatch.estimating.estimate.trace_trial`) at batches 1, 4, 16, …
-as the search asks for them, and joins them by straight lines. The search
-(:func:`~autobatch.probing.search.search_max`) calibrates this curve against the real trials (offset,
-scale, per-sample bytes), so what the trace cannot see — the CUDA context, the allocator's
-cache, a kernel's workspace — costs at most a trial, not a wrong answer: the answer still rests
-on real trials only.
+training step (the estimate's :func:`~autobatch.estimating.estimate.trace_trial`) at the smallest
+batch and at 4, 16, 64, … as the search asks for them, and joins each phase's peaks (forward and
+backward; the optimizer step) by straight lines; the prior is the larger of the two. The
+search (:func:`~autobatch.probing.search.search_max`) calibrates this curve against the real
+trials (offset, scale, per-sample bytes), so what the trace cannot see — the CUDA context, the
+allocator's cache, a kernel's workspace — costs at most a trial, not a wrong answer: the answer
+still rests on real trials only.
+
+:func:`try_trace_prior` is the same for ``find``'s default: a model the trace cannot follow
+(weights read from disk, data-dependent shapes, a custom op without a fake kernel) gives no
+prior, or a prior that answers NaN from its first failed trace on, and the search then goes on
+from its trials alone.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 
 import torch
 
+from ..modelinfo import min_batch_for
 from ..probing.workload import Workload
 from .estimate import _enable_checkpointing, fake_model, trace_trial
 from .fake_backends import _mode_of, _new_fake_mode
 
-__all__ = ["trace_prior"]
+__all__ = ["trace_prior", "try_trace_prior"]
 
-_GRID = 4  # traced batches: 1, 4, 16, …
+_GRID = 4  # traced batches: the smallest, then 4, 16, …
+log = logging.getLogger("autobatch.estimating.prior")
 
 
-def trace_prior(workload: Workload) -> Callable[[int], float]:
+def trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable[[int], float]:
     """The traced peak (bytes) at any batch, for ``search_max(..., prior=...)`` or ``probe(..., prior=...)``.
 
-    Traces run lazily, at most one per power of four the search asks about, and are cached.
-    The user's model is not touched (the trace uses a fake copy) and the random number
-    generator's state is restored after each trace.
+    The fake copy of the model is made now, while the model is where its owner left it (a probe
+    that has lent it to a GPU would otherwise copy GPU tensors); traces run lazily, at most one
+    per power of four the search asks about, and are cached. The user's model is not touched
+    and the random number generator's state is restored after the copy and each trace.
+
+    Args:
+        workload: what to train.
+        min_batch: the smallest batch traced (and the prior's value below it); default 2 for
+            models with BatchNorm (which cannot train on one sample), else 1.
 
     Example:
         >>> import torch, autobatch
@@ -40,31 +56,73 @@ def trace_prior(workload: Workload) -> Callable[[int], float]:
         >>> prior(256) > prior(16) >= prior(1) > 0
         True
     """
-    state: dict[str, object] = {}
-    peaks: dict[int, float] = {}
+    mode = _mode_of(workload.model) or _new_fake_mode()
+    with torch.random.fork_rng(devices=[]):  # a factory built in the fake mode may still draw
+        model = fake_model(workload.model, mode)
+        if workload.grad_checkpointing:
+            with mode:
+                _enable_checkpointing(model)
+    model.train()
+    first = min_batch if min_batch is not None else min_batch_for(model)
+    peaks: dict[int, tuple[float, float]] = {}
 
-    def traced(batch: int) -> float:
+    def traced(batch: int) -> tuple[float, float]:
         if batch not in peaks:
             with torch.random.fork_rng(devices=[]):
-                if "model" not in state:
-                    mode = _mode_of(workload.model) or _new_fake_mode()
-                    model = fake_model(workload.model, mode)
-                    if workload.grad_checkpointing:
-                        with mode:
-                            _enable_checkpointing(model)
-                    model.train()
-                    state.update(model=model, mode=mode)
-                peaks[batch] = float(trace_trial(workload, state["model"], batch, fake_mode=state["mode"]).reserved_bytes)
+                trial = trace_trial(workload, model, batch, fake_mode=mode)
+            peaks[batch] = (float(trial.forward_backward_bytes or trial.reserved_bytes),
+                            float(trial.optimizer_bytes or trial.reserved_bytes))
         return peaks[batch]
 
     def prior(batch: int) -> float:
-        batch, low = max(1, batch), 1
-        while low * _GRID <= batch:
-            low *= _GRID
+        batch = max(first, batch)
+        low, high = first, _GRID
+        while high <= first:
+            high *= _GRID
+        while high <= batch:
+            low, high = high, high * _GRID
         if low == batch:
-            return traced(batch)
-        high = low * _GRID
-        y0, y1 = traced(low), traced(high)
-        return y0 + (y1 - y0) * (batch - low) / (high - low)
+            return max(traced(batch))
+        # Each phase joined by a line, then the larger: the optimizer's flat peak and the
+        # activations' slope each interpolate well, their maximum (a corner) does not.
+        t = (batch - low) / (high - low)
+        return max(y0 + (y1 - y0) * t for y0, y1 in zip(traced(low), traced(high)))
 
     return prior
+
+
+def try_trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable[[int], float] | None:
+    """:func:`trace_prior`, or ``None`` where the model cannot be copied onto fake tensors.
+
+    A trace that fails later (at some batch) makes the prior answer NaN from then on, which
+    the search takes as "no prior" and goes on from its trials alone. Either failure is one
+    debug line on the ``autobatch.estimating.prior`` logger, never an error: the prior only
+    saves trials.
+
+    Example:
+        >>> import torch, autobatch
+        >>> work = autobatch.Workload(torch.nn.Linear(8, 2), lambda b: 1 / 0)  # a batch the trace cannot build
+        >>> prior = try_trace_prior(work)
+        >>> math.isnan(prior(4))
+        True
+    """
+    try:
+        prior = trace_prior(workload, min_batch=min_batch)
+    except Exception as exc:  # any failure only costs the prior: the trials still answer
+        log.debug("no trace prior for %s (%s: %s); the search uses its trials alone",
+                  workload.name, type(exc).__name__, exc)
+        return None
+    failed: list[BaseException] = []
+
+    def guarded(batch: int) -> float:
+        if failed:
+            return math.nan
+        try:
+            return prior(batch)
+        except Exception as exc:
+            failed.append(exc)
+            log.debug("the trace of %s failed at batch %d (%s: %s); the search goes on from its trials alone",
+                      workload.name, batch, type(exc).__name__, exc)
+            return math.nan
+
+    return guarded

@@ -41,6 +41,7 @@ _REACH = 1.5             # without a prior: how far past the curvature bound one
 _MARGIN = 0.2            # share of the headroom a one-point model aims low
 _TRUSTED = 0.001         # a prior this close to the first trial is trusted without a margin
 _STALLS = 3               # model-led trials that did not halve the bracket before it is bisected
+_BACK = 4                 # a step back from a failure: a quarter of the model's last move or of the bracket, ×4 on
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class SearchOutcome:
     max_batch: int            # largest batch that fits; 0 when not even the smallest does
     limited_by: str           # "memory", or "max_batch" when the cap stopped the search
     trials: tuple[Trial, ...]
+
+
+class _NoPrior(Exception):
+    """The prior answered NaN (its trace failed): the search drops it and goes on from its trials."""
 
 
 class _Search:
@@ -92,19 +97,12 @@ class _Search:
         and a trial that fits is worth more than one that fails (it adds a point to the model).
         One that has sent ``cautious`` trials running past the boundary aims twice as low each time.
         """
-        limit = self.capacity
         if self.prior is not None:
-            # Where the optimizer step set a point's peak, the curve changes regime after it: its
-            # error there says how many bytes per sample the prior misses, not by what factor.
-            points = self.totals
-            curve = calibrate(self.prior, points, self.growing)
-            # One point: the offset is known, the scale a guess, unless the prior already had
-            # that point right (within a tenth of a percent): then it is trusted as it is.
-            guessed = abs(points[self.lo] - self.prior(self.lo)) > _TRUSTED * points[self.lo]
-            far = len(points) == 1 and guessed and crossing(curve, limit, self.lo, self.cap) > 1.5 * self.lo
-            if far or cautious:
-                limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - points[self.lo])
-            return crossing(curve, limit, self.lo, self.cap)
+            try:
+                return self.from_prior(cautious)
+            except _NoPrior:
+                self.prior = None  # from here on the trials alone lead, as if none had been given
+        limit = self.capacity
         if len(self.phases[0]) == 1 or cautious:
             limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - self.phases[0][self.lo])
         curve = ladder(self.phases[0], self.resident)
@@ -116,6 +114,29 @@ class _Search:
         if line is not None:
             best = min(best, max(self.lo, int((self.capacity - line[0]) // line[1])))
         return best
+
+    def from_prior(self, cautious: int) -> int:
+        """:meth:`estimate` from the prior, calibrated to the trials; :class:`_NoPrior` if it answers NaN."""
+        prior = self.prior
+
+        def known(batch: int) -> float:
+            value = prior(batch)
+            if not math.isfinite(value):
+                raise _NoPrior
+            return value
+
+        limit = self.capacity
+        # Where the optimizer step set a point's peak, the curve changes regime after it: its
+        # error there says how many bytes per sample the prior misses, not by what factor.
+        points = self.totals
+        curve = calibrate(known, points, self.growing)
+        # One point: the offset is known, the scale a guess, unless the prior already had
+        # that point right (within a tenth of a percent): then it is trusted as it is.
+        guessed = abs(points[self.lo] - known(self.lo)) > _TRUSTED * points[self.lo]
+        far = len(points) == 1 and guessed and crossing(curve, limit, self.lo, self.cap) > 1.5 * self.lo
+        if far or cautious:
+            limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - points[self.lo])
+        return crossing(curve, limit, self.lo, self.cap)
 
     def reach(self) -> int:
         """The furthest batch one trial may try."""
@@ -141,10 +162,22 @@ class _Search:
         side, streak, stalls = 0, 0, 0  # side: +1 misses that fit (model too low), -1 that failed
         placed = None  # a fit where a settled model put the boundary: does the model stay there?
         bisecting = False
+        back, scale = None, 0  # a step back from the failure, and the last one that found a fit
+        previous = moved = None  # the settled prior's last guess, and how far its guess last moved
         while not self.done:
+            if back is not None:
+                below = self.hi - back
+                if self.attempt(self.clamp(below if below > self.lo else self.bisect())):
+                    scale, back = back, None
+                else:
+                    back *= _BACK
+                continue
             width = self.upper - self.lo
             settled = side >= 0 and len(self.totals) > 1
             guess = self.estimate(0 if settled else streak)
+            if settled and guess is not None and self.prior is not None:
+                moved = None if previous is None else abs(guess - previous)
+                previous = guess
             if placed is not None:
                 if guess is not None and guess > placed:
                     # The model moved the boundary up past its own fit: it creeps (a staircase's
@@ -177,6 +210,12 @@ class _Search:
                 if self.hi is not None:
                     stalls = stalls + 1 if self.upper - self.lo > width / 2 else 0
                 said_fits = batch <= guess
+                if said_fits and not fits and settled and moved is not None:
+                    # A calibrated prior that failed is off by about what it last moved (or by
+                    # what the previous step back needed): step back from the failure by a
+                    # quarter of that, growing, instead of trusting it again just below.
+                    back = max(1, moved // _BACK, scale // _BACK, (self.hi - self.lo) // _BACK)
+                    continue
                 if fits and batch == guess and settled:
                     placed = batch
                 elif fits != said_fits:
@@ -204,8 +243,9 @@ def search_max(
         min_batch: the smallest batch allowed (2 for BatchNorm models).
         max_batch: an explicit cap; the outcome says when the cap, not memory, was the limit.
         prior: a predicted peak in bytes at any batch (nondecreasing), e.g. from the fake-tensor
-            trace (:func:`autobatch.estimate`); calibrated to the trials as they come, so a
-            constant or proportional error in it costs nothing.
+            trace (:func:`autobatch.trace_prior`); calibrated to the trials as they come, so a
+            constant or proportional error in it costs nothing. A prior that answers NaN (its
+            trace failed) is dropped, and the search goes on from its trials alone.
 
     Example:
         >>> from autobatch.probing.trial import Trial

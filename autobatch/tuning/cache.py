@@ -278,6 +278,7 @@ def cached_probe(
     world_size: int = 1,
     use_cache: bool = True,
     root: Path | None = None,
+    make_prior: Callable[[], Callable[[int], float] | None] | None = None,
 ) -> tuple[ProbeResult, bool]:
     """:func:`autobatch.probe` through the on-disk cache: ``(result, cached)``.
 
@@ -287,6 +288,8 @@ def cached_probe(
             part of the fingerprint.
         use_cache: ``False`` always probes, and stores the fresh result (``--no-cache``).
         root: the cache directory; default :func:`cache_dir`.
+        make_prior: called only when the probe runs (not on a hit): the search's prior, or
+            ``None`` for none (see :func:`autobatch.estimating.prior.try_trace_prior`).
 
     Example:
         >>> import tempfile, torch
@@ -305,7 +308,9 @@ def cached_probe(
         hit = load(fp, root=root, capacity=backend.capacity())
         if hit is not None:
             return hit, True
-    result = probe(workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom, on_trial=on_trial)
+    prior = make_prior() if make_prior is not None else None
+    result = probe(workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom, on_trial=on_trial,
+                   prior=prior)
     try:
         store(fp, result, root=root)
     except OSError as exc:  # a read-only or full disk must not cost the user the probe they just ran

@@ -1,0 +1,147 @@
+"""``find`` led by the fake-tensor trace: fewer trials, the same exact answer, nothing of the caller's touched.
+
+A simulated budget stands in for the device; every count below is an exact trial sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import autobatch
+from autobatch import SimulatedBackend, Workload
+from autobatch.cli import app
+from autobatch.estimating.prior import trace_prior, try_trace_prior
+from autobatch.pipeline import find_plan
+from autobatch.probing.search import search_max
+from autobatch.probing.trial import Trial
+from tests.tiny import cnn_workload, mlp, mlp_workload
+
+
+def batches(finding):
+    return [(t.batch, t.fits) for t in finding.probe.trials]
+
+
+def exact(finding) -> bool:
+    tried = {t.batch: t.fits for t in finding.probe.trials}
+    best = finding.probe.max_batch
+    return tried.get(best) is True and tried.get(best + 1) is False
+
+
+def test_find_with_the_trace_takes_fewer_trials_and_gives_the_same_answer():
+    with_prior = find_plan(cnn_workload(), backend=SimulatedBackend("1MiB"), headroom=0)
+    without = find_plan(cnn_workload(), backend=SimulatedBackend("1MiB"), headroom=0, use_trace_prior=False)
+    # BatchNorm: the search starts at 2, and so does the trace.
+    assert batches(with_prior) == [(2, True), (28, True), (29, False)]
+    assert batches(without) == [(2, True), (10, True), (25, True), (28, True), (29, False)]
+    assert with_prior.probe.max_batch == without.probe.max_batch == 28 and exact(with_prior) and exact(without)
+    assert with_prior.plan == without.plan
+
+
+def test_the_trace_leaves_the_model_the_rng_and_the_default_dtype_as_they_were():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    model.eval()
+    finding = find_plan(Workload(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), dtype="bf16"),
+                        backend=SimulatedBackend("128KiB"), headroom=0)
+    assert exact(finding)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.get_default_dtype() == torch.float32 and not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None and type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+class _DataDependent(torch.nn.Module):
+    """Reads a value out of its input: fake tensors have none, so the trace cannot follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.net(x) / (1 + float(x.abs().max().item() > 1e9))
+
+
+def test_a_model_the_trace_cannot_follow_is_searched_from_its_trials_alone(caplog):
+    work = Workload(_DataDependent(), lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))))
+    with caplog.at_level(logging.DEBUG, logger="autobatch.estimating.prior"):
+        led = find_plan(work, backend=SimulatedBackend("256KiB"), headroom=0)
+    alone = find_plan(work, backend=SimulatedBackend("256KiB"), headroom=0, use_trace_prior=False)
+    assert batches(led) == batches(alone) and exact(led)
+    assert len(caplog.records) == 1 and "trials alone" in caplog.records[0].getMessage()
+
+
+def test_a_factory_that_cannot_be_built_on_fake_tensors_gives_no_prior():
+    def build():
+        model = mlp()
+        model.load_state_dict({})  # raises (no weights to load), as a loader that needs real files would
+        return model
+
+    assert try_trace_prior(Workload(build, lambda b: torch.randn(b, 64))) is None
+
+
+def test_a_batchnorm_model_is_traced_from_its_smallest_batch():
+    prior = trace_prior(cnn_workload())  # a trace at batch 1 would raise BatchNorm's error
+    assert 0 < prior(1) == prior(2) < prior(3) < prior(4)
+
+
+def test_between_traced_batches_each_phase_is_joined_then_the_larger_taken():
+    # The MLP's peak is AdamW's step up to ~150 samples, the activations' above: a line joining
+    # the peaks at 64 and 256 cuts that corner 6 % high at 150; per phase it is exact.
+    work = mlp_workload()
+    prior = trace_prior(work)
+    for batch in (100, 150, 200):
+        assert prior(batch) == trace_prior(work, min_batch=batch)(batch)
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # torch's own fast-path check
+def test_a_factory_whose_modules_copy_their_layers_is_traced():
+    # nn.TransformerEncoder deep-copies its layer; built on fake tensors, the copies had fake
+    # modes of their own and the trace (and estimate) failed with "Mixing fake modes".
+    def build():
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                   torch.nn.Flatten(), torch.nn.Linear(16 * 8, 4))
+
+    prior = trace_prior(Workload(build, lambda b: (torch.randn(b, 8, 16), torch.randint(0, 4, (b,)))))
+    assert 0 < prior(1) < prior(16)
+
+
+def test_the_search_drops_a_prior_that_answers_nan_and_stays_exact():
+    run = lambda b: Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
+    failing = lambda b: 100 + 7 * b if b < 4 else math.nan
+    assert [t.batch for t in search_max(run, 1000, prior=failing).trials] == \
+        [t.batch for t in search_max(run, 1000).trials] == [1, 16, 69, 128, 129]
+
+
+def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path):
+    (tmp_path / "net.py").write_text("import torch\ndef build():\n    return torch.nn.Sequential("
+                                     "torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), "
+                                     "torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 10))\n")
+    args = ["find", "--model", f"{tmp_path / 'net.py'}:build", "--input-shape", "3,16,16", "--device", "cpu",
+            "--memory", "2MiB", "--headroom", "0", "--no-cache", "--json"]
+    led = json.loads(CliRunner().invoke(app, args).stdout)
+    alone = json.loads(CliRunner().invoke(app, [*args, "--no-trace-prior"]).stdout)
+    assert [t["batch"] for t in led["trials"]] == [2, 49, 50]
+    assert [t["batch"] for t in alone["trials"]] == [2, 9, 33, 49, 50]
+    assert led["max_batch"] == alone["max_batch"] == 49
+
+
+def test_find_takes_the_switch():
+    # AdamW's step sets a linear layer's peak at small batches (a flat start): trials alone
+    # climb in bounded steps, then bisect; the trace knows where the activations take over.
+    make = lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,)))
+    tried: dict[bool, list[int]] = {True: [], False: []}
+    plans = {flag: autobatch.find(torch.nn.Linear(64, 10), make, device="cpu", memory="128KiB", headroom=0,
+                                  use_trace_prior=flag, on_trial=lambda t, flag=flag: tried[flag].append(t.batch))
+             for flag in (True, False)}
+    assert tried[True] == [1, 320, 321]
+    assert tried[False] == [1, 9, 93, 261, 375, 318, 322, 320, 321]
+    assert plans[True] == plans[False] and plans[True].micro_batch == 320

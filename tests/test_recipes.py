@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -92,23 +93,43 @@ def test_integrations_doc_shows_the_recipes_run_commands() -> None:
     assert shown == [run_command(name) for name in names]  # so test_recipe_runs_as_its_header_says runs them
 
 
-@pytest.mark.parametrize("name", recipe_names())
-def test_recipe_runs_as_its_header_says(name: str, tmp_path: Path) -> None:
-    needs, sentinels = EXPECTED[name]
-    for module in needs:
-        need(module)
+def _run(name: str, workdir: Path) -> tuple[int, str]:
+    """Run the recipe's header command in ``workdir``: its exit code and output (stdout and stderr)."""
     args = shlex.split(run_command(name))
-    assert args[:2] == ["python", f"recipes/{name}.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
     # Own session, so that a hang kills the recipe's children too, and only them.
-    proc = subprocess.Popen([sys.executable, str(RECIPES / f"{name}.py"), *args[2:]], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, str(RECIPES / f"{name}.py"), *args[2:]], cwd=workdir, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError(f"recipes/{name}.py did not finish within {TIMEOUT_S} s") from None
-    assert proc.returncode == 0, out
+        return -1, f"recipes/{name}.py did not finish within {TIMEOUT_S} s"
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """Every runnable recipe, started at once, two at a time: each runs on one thread and most of
+    its time is importing its framework, so two share the CI machine's two cores."""
+    import importlib.util
+
+    runnable = [name for name in recipe_names()
+                if all(importlib.util.find_spec(module.split(".")[0]) is not None for module in EXPECTED[name][0])]
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {name: pool.submit(_run, name, tmp_path_factory.mktemp(name)) for name in runnable}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_runs_as_its_header_says(name: str, recipe_runs: dict[str, Future]) -> None:
+    needs, sentinels = EXPECTED[name]
+    for module in needs:
+        need(module)
+    assert shlex.split(run_command(name))[:2] == ["python", f"recipes/{name}.py"]
+    code, out = recipe_runs[name].result()
+    assert code == 0, out
     for sentinel in sentinels:
         assert sentinel in out, f"{sentinel!r} not in the output of recipes/{name}.py:\n{out}"

@@ -10,7 +10,6 @@ HF Trainer and accelerate do; DeepSpeed goes through :mod:`~autobatch.distribute
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,8 @@ class Wrapped:
     _keep: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
-        """Drop the wrapper, its optimizer and its buffers (collected now, while the group lives)."""
+        """Drop the wrapper, its optimizer and its buffers; the caller collects them (one
+        ``gc.collect()`` once its own references are gone, while the group lives)."""
         for item in self._keep:
             destroy = getattr(item, "destroy", None)
             if callable(destroy):
@@ -46,7 +46,6 @@ class Wrapped:
         self._keep.clear()
         self.module = self.optimizer = None  # type: ignore[assignment]
         self.backward = self.step = None  # type: ignore[assignment]
-        gc.collect()
 
 
 def _to(model: torch.nn.Module, device: torch.device) -> None:

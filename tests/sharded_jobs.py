@@ -12,6 +12,7 @@ from autobatch.distributed.sharded_trial import run_sharded_trial
 from autobatch.probing.backends import SimulatedBackend
 from autobatch.probing.memtrack import MemoryTracker
 from autobatch.strategy import parse_strategy
+from tests.ranks import gathered
 
 WIDTH, DEPTH, TOKENS = 64, 4, 16
 
@@ -93,9 +94,7 @@ def trial_peaks(strategies: tuple[str, ...] = ("fsdp2", "zero2"), batch_size: in
 def gloo_job() -> list[dict[str, Any]]:
     """Every rank's figures, gathered (spawn_local returns rank 0's answer)."""
     mine = {"fsdp2_step": fsdp2_step_figures(), "trials": trial_peaks()}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered(mine)
 
 
 def launched_probe(strategy: str = "fsdp2") -> dict[str, Any]:
@@ -113,6 +112,4 @@ def launched_probe(strategy: str = "fsdp2") -> dict[str, Any]:
 
 def launched_job() -> list[dict[str, Any]]:
     mine = launched_probe()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered(mine)

@@ -17,6 +17,7 @@ from autobatch import SimulatedBackend
 from autobatch.errors import AutobatchError
 
 from tests.extras import need
+from tests.ranks import gathered, slow
 accelerate = need("accelerate")
 from accelerate.utils import find_executable_batch_size as accelerate_find
 
@@ -213,13 +214,10 @@ def _two_rank_find(budgets: tuple[str, str]) -> list:
     rank = dist.get_rank()
     train = find_executable_batch_size(starting_batch_size=4096, backend=SimulatedBackend(budgets[rank]))(mlp_training)
     mine = (train(), train.batch_sizes, [(t.batch, t.fits) for t in train.trials])
-    everyone: list = [None, None]
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered(mine)
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("AUTOBATCH_SLOW_TESTS"),
-                    reason="two-process gloo run; set AUTOBATCH_SLOW_TESTS=1 to include it")
+@slow("two-process gloo run")
 def test_two_gloo_ranks_with_different_budgets_end_on_the_same_batch() -> None:
     from autobatch.distributed import spawn_local
 

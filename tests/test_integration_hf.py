@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.extras import need
+from tests.ranks import gathered, slow
 transformers = need("transformers", "accelerate")  # the Trainer needs accelerate too
 
 from autobatch.errors import AutobatchError
@@ -252,13 +253,10 @@ def _two_rank_fit(budgets: tuple[str, str]) -> list:
         new = fit_training_args(args, model, sample=Rows()[0], memory=budgets[rank], headroom=0)
     mine = (new.world_size, new.per_device_train_batch_size, new.gradient_accumulation_steps,
             new.per_device_eval_batch_size, new.autobatch_probe.max_batch)
-    everyone: list = [None, None]
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered(mine)
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("AUTOBATCH_SLOW_TESTS"),
-                    reason="two-process gloo run; set AUTOBATCH_SLOW_TESTS=1 to include it")
+@slow("two-process gloo run")
 def test_two_gloo_ranks_with_different_budgets_get_the_same_arguments() -> None:
     from autobatch.distributed import spawn_local
 
@@ -298,13 +296,10 @@ def _two_rank_guard(budgets: tuple[str, str]) -> list:
     model, step = run(budgets[dist.get_rank()])
     worst = max(((a - b).norm() / a.norm()).item() for a, b in zip(reference.parameters(), model.parameters()))
     mine = ([(s.step, s.pieces, s.attempts) for s in step.history], worst, [p.detach().clone() for p in model.parameters()])
-    everyone: list = [None, None]
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered(mine)
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("AUTOBATCH_SLOW_TESTS"),
-                    reason="two-process gloo run; set AUTOBATCH_SLOW_TESTS=1 to include it")
+@slow("two-process gloo run")
 def test_guard_under_ddp_splits_the_same_step_on_every_rank_and_trains_to_the_same_weights() -> None:
     from autobatch.distributed import spawn_local
 

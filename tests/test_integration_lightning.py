@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.extras import need
+from tests.ranks import gathered
 pl = need("lightning.pytorch")
 
 from autobatch.errors import AutobatchError  # noqa: E402
@@ -120,9 +121,7 @@ def _ddp_fit(budgets: tuple[str, str]) -> list:
     trainer.fit(model, datamodule=data)
     mine = (callback.result.max_batch, [(t.batch, t.fits) for t in callback.result.trials], callback.plan.micro_batch,
             callback.plan.grad_accum, model.seen, trainer.global_step)
-    everyone: list = [None, None]
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered(mine)
 
 
 @pytest.mark.skipif(SLOW, reason=DDP_REASON)
@@ -249,9 +248,7 @@ def _ddp_guard_fit(budgets: tuple[str, str]) -> list:
     worst = max(((a - b).norm() / a.norm()).item() for a, b in zip(reference.parameters(), model.parameters()))
     mine = ((callback.plan.micro_batch, callback.plan.grad_accum), [(s.step, s.pieces, s.attempts) for s in callback.guard.history],
             worst, [p.detach().clone() for p in model.parameters()])
-    everyone: list = [None, None]
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gathered(mine)
 
 
 @pytest.mark.skipif(SLOW, reason=DDP_REASON)

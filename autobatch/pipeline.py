@@ -19,7 +19,8 @@ from .probing.trial import Trial
 from .probing.workload import Workload, default_loss
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["Finding", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "local_gpu_count"]
+__all__ = ["Finding", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
+           "local_gpu_count"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,16 @@ def find_plan(
     plan = plan_from_probe(result, target=target, gpus_per_node=gpus_per_node, nodes=nodes,
                            model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
                            base_batch=base_batch)
-    return Finding(result, plan, cached=cached, strategy=chosen)
+    return Finding(result, plan, cached=cached, strategy=probed_strategy(result, chosen))
+
+
+def probed_strategy(result: ProbeResult, asked: Strategy | None) -> Strategy | None:
+    """The strategy as the probe ran it: with the FSDP block class it wrapped when none was asked
+    for, so the configs written from the result wrap the same way."""
+    ran = (result.extra.get("sharding") or {}).get("strategy") or {}
+    if asked is None or asked.unit is not None or not ran.get("unit"):
+        return asked
+    return Strategy(asked.name, asked.offload, ran["unit"])
 
 
 def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], options: dict[str, Any],

@@ -46,9 +46,17 @@ def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
     assert res.exit_code == 0, res.output
     assert "FSDP" in acc.read_text() and "fsdp_version: 2" in acc.read_text()
     assert json.loads(hf.read_text())["fsdp"] == "full_shard auto_wrap"
+    # the block class the probe wrapped (tiny-mlp has no transformer block: its layers) is named in both
+    assert "fsdp_transformer_layer_cls_to_wrap: Linear" in acc.read_text()
+    assert json.loads(hf.read_text())["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["Linear"]
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
                  "--strategy", "fsdp2", "--max-batch", "2", "--deepspeed", str(ds))
     assert res.exit_code == 2 and "probed under fsdp2" in res.output
+
+
+def test_check_takes_a_misspelt_strategy_as_a_usage_error():
+    res = invoke("check", "--gpus", "4", "--micro-batch", "2", "--grad-accum", "1", "--strategy", "zero4")
+    assert res.exit_code == 2 and "strategy must be one of ddp, fsdp2" in res.output
 
 
 def test_solve_writes_the_strategy_into_the_configs_deepspeed_reads(tmp_path):

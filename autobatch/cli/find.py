@@ -195,7 +195,7 @@ def find_command(
         rank_env,
         spawn_local,
     )
-    from ..pipeline import Finding, local_gpu_count, plan_from_probe, probe_worker
+    from ..pipeline import Finding, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
 
     if table_wanted:
         if is_launched():
@@ -246,7 +246,8 @@ def find_command(
             planning["nodes"] = env.world_size // env.local_world_size
         agreed = result.to_probe_result()
         plan = plan_from_probe(agreed, gpus_per_node=gpus or env.local_world_size, **planning)
-        finding = Finding(agreed, plan, ranks_report=str(result), strategy=None if strategies is None else strategies[0])
+        finding = Finding(agreed, plan, ranks_report=str(result),
+                          strategy=probed_strategy(agreed, None if strategies is None else strategies[0]))
     elif strategies is None and device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
         # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
         status_console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)

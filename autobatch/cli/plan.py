@@ -21,7 +21,6 @@ from .options import (
     OffloadOption,
     Script,
     SeqLen,
-    StrategyOption,
     Target,
     TrustRemoteCode,
 )
@@ -54,7 +53,10 @@ def solve_command(
     keep_auto: bool = typer.Option(False, "--keep-auto", rich_help_panel="Output",
                                    help='Leave "auto" values in the DeepSpeed JSON.'),
     script: Script = "train.py",
-    strategy: StrategyOption = None,
+    strategy: str | None = typer.Option(
+        None, "--strategy", rich_help_panel="Plan",
+        help="How training shards: ddp, fsdp2, fsdp1, zero1, zero2 or zero3; the configs written carry it.",
+    ),
     offload: OffloadOption = None,
     fsdp_unit: FsdpUnitOption = None,
     as_json: AsJson = False,
@@ -134,6 +136,10 @@ def check_command(
 
     from ..checking.setup import check_setup
 
+    if strategy is not None:  # a misspelt name is a usage error, before anything is read
+        from .strategies import strategies_from_options
+
+        strategies_from_options(strategy, None, None)
     module = None
     if model is not None:
         from ..models import load_layers

@@ -43,6 +43,7 @@ from .ddp import ddp_for_trials
 from .launch import DEFAULT_TIMEOUT_S
 from .result import DistributedProbeResult, RankFailedError, RankReport
 from .sharded_trial import run_sharded_trial
+from .sharding import with_unit
 from .simulated_world import sharding_report
 
 __all__ = ["probe_distributed"]
@@ -274,6 +275,8 @@ def probe_distributed(
         error = exc
     comm = _Comm(_comm_device(backend), DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     _agree_on_errors(comm, error, "setting up")  # past this line every rank has a backend and a model
+    if chosen is not None:
+        chosen = with_unit(chosen, model)  # the block FSDP wraps, named in the report and the configs
 
     # Training all-reduces gradient buckets; the trials (under no_sync) never do. The first such
     # collective sets up NCCL's communicator, whose buffers take memory outside the allocator:

@@ -11,7 +11,7 @@ HF Trainer and accelerate do; DeepSpeed goes through :mod:`~autobatch.distribute
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from ..errors import AutobatchError
 from ..probing.workload import Workload, make_optimizer
 from ..strategy import Strategy
 
-__all__ = ["Wrapped", "wrap_model", "fsdp_units", "local_tensor", "local_bytes"]
+__all__ = ["Wrapped", "wrap_model", "fsdp_units", "with_unit", "local_tensor", "local_bytes"]
 
 
 @dataclass
@@ -65,6 +65,15 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def with_unit(strategy: Strategy, model: torch.nn.Module) -> Strategy:
+    """``strategy`` naming the block class FSDP wraps in ``model`` (the one it would take by default),
+    so that the configs written from a probe wrap as the probe did."""
+    if not strategy.is_fsdp or strategy.unit is not None:
+        return strategy
+    units = fsdp_units(model)
+    return replace(strategy, unit=type(units[0]).__name__) if units else strategy
+
+
 def local_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind the local parts of ``tensors`` (views count once)."""
     seen: dict[int, int] = {}
@@ -72,7 +81,8 @@ def local_bytes(tensors: Any) -> int:
         if not isinstance(tensor, torch.Tensor):
             continue
         storage = local_tensor(tensor).untyped_storage()
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        fake = storage.device.type == "meta"  # a fake tensor's storage: no data, no address
+        seen[id(storage) if fake else storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -28,6 +28,7 @@ from ..probing.workload import Workload
 from ..strategy import Strategy, parse_strategy
 from .fake_group import fake_process_group
 from .sharded_trial import MemoryBreakdown, run_sharded_trial
+from .sharding import with_unit
 
 __all__ = ["probe_sharded", "sharding_report"]
 
@@ -78,7 +79,8 @@ def probe_sharded(
     if strategy.offload is not None and backend.device.type == "cpu":
         raise AutobatchError(
             f"offload={strategy.offload!r} moves state to host memory, which on the CPU is the simulated device "
-            "itself, so it cannot be probed here; probe it on a GPU, or drop the offload (the configs can still carry it)")
+            "itself, so it cannot be probed here; probe it on a GPU, or probe without --offload and write it into the "
+            f"configs with `autobatch solve --strategy {strategy.name} --offload {strategy.offload} --deepspeed ds.json`")
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
@@ -87,6 +89,7 @@ def probe_sharded(
     template = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
     if not isinstance(template, torch.nn.Module):
         raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(template).__name__}")
+    strategy = with_unit(strategy, template)  # the block FSDP wraps, named in the report and the configs
     if min_batch is None:
         min_batch = min_batch_for(template)
     if max_batch is not None and max_batch < min_batch:

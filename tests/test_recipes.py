@@ -26,7 +26,7 @@ TIMEOUT_S = 120  # generous: the CPU is shared; alone each recipe takes a few se
 # library it needs. A new recipe fails test_every_recipe_is_listed until it is added here.
 # Modules a recipe needs (each from its extra), and lines its output must contain.
 EXPECTED: dict[str, tuple[tuple[str, ...], list[str]]] = {
-    "plain_loop_ga": ((), ["verify-ga: PASS  (normalised", "# 2 micro batch * 4 grad accum * 1 rank = 8 sequences per step",
+    "plain_loop_ga": ((), ["verify-ga: FAIL  (naive", "verify-ga: PASS  (normalised", "# 2 micro batch * 4 grad accum * 1 rank = 8 sequences per step",
                              "step   30  loss"]),
     "hf_trainer": (("transformers", "accelerate"), ["# 8 per device * 4 grad accum * 1 devices = 32 sequences per step (plan: 32)",
                                     "done: 3 optimizer steps"]),
@@ -133,3 +133,6 @@ def test_recipe_runs_as_its_header_says(name: str, recipe_runs: dict[str, Future
     assert code == 0, out
     for sentinel in sentinels:
         assert sentinel in out, f"{sentinel!r} not in the output of recipes/{name}.py:\n{out}"
+    if name == "plain_loop_ga":  # and it trains: the loss of the last step well below the first's
+        trained = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.split("sequences per step")[1])]
+        assert len(trained) == 4 and trained[-1] < trained[0] * 0.6, trained

@@ -28,14 +28,15 @@ import math
 import random
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from autobatch.probing.search import SearchOutcome, search_max
 from autobatch.probing.trial import Trial
 
 __all__ = [
-    "Curve", "FAMILIES", "curves", "oracle", "true_max", "doubling_bisection", "measure", "Stats", "markdown", "main",
+    "Curve", "FAMILIES", "SEARCHES", "SMOOTH", "curves", "oracle", "true_max", "doubling_bisection", "measure", "Stats",
+    "markdown", "main",
 ]
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -66,6 +67,10 @@ class Curve:
     tensors: int = 0        # activations split into this many tensors, each rounded (0: no rounding)
     prior_shape: Callable[[float], float] | None = field(default=None, repr=False)
     missed: float = 0.0     # workspace the trace does not see, share of B
+    # Staircases: a kernel's own tensor, a share of the activations, that only the device
+    # allocates (> 0) or only the trace does (< 0); the trace books its tensors as the allocator.
+    unseen: float = 0.0
+    smooth_prior: bool = False  # the staircase's prior without the allocator model (for comparison)
 
     @property
     def budget(self) -> int:
@@ -77,15 +82,30 @@ class Curve:
         allocated = self.resident + int(self.budget * share)
         if not self.tensors:
             return allocated, allocated
-        # The batch-free part (gradients) is one block; activations are tensors of unequal sizes.
-        fixed = self.shape(0.0)
+        kernel = max(0.0, self.kernel(b))
+        return allocated + int(kernel), self._rounded(b) + _round_block(kernel)
+
+    def _rounded(self, b: int) -> int:
+        """The forward+backward peak of the tensors both the device and the trace allocate, rounded.
+
+        The batch-free part (gradients) is one block; activations are tensors of unequal sizes.
+        """
+        share, fixed = self.shape(b / self.scale), self.shape(0.0)
         total = sum(range(1, self.tensors + 1))
         acts = self.budget * (share - fixed)
         blocks = sum(_round_block(acts * i / total) for i in range(1, self.tensors + 1))
-        return allocated, self.resident + _round_block(self.budget * fixed) + blocks
+        return self.resident + _round_block(self.budget * fixed) + blocks
+
+    def kernel(self, b: int) -> float:
+        """The unseen kernel's tensor at ``b`` (bytes; negative: one only the trace allocates)."""
+        return self.unseen * self.budget * (self.shape(b / self.scale) - self.shape(0.0))
 
     def prior(self, b: int) -> int:
         """The trace's prediction of the step's peak at ``b``."""
+        floor = self.resident + int(self.budget * self.optimizer)
+        if self.tensors and not self.smooth_prior:
+            # The trace books the tensors it sees in the allocator model: their rounding is known.
+            return max(self._rounded(b) + _round_block(max(0.0, -self.kernel(b))), floor) - int(self.budget * self.missed)
         shape = self.prior_shape or self.shape
         return self.resident + int(self.budget * (max(shape(b / self.scale), self.optimizer) - self.missed))
 
@@ -158,7 +178,7 @@ def _shapes(t: float, e1: float, e2: float) -> Iterator[tuple[str, str, dict]]:
         yield "affine", f"a − R = {g:g}·B", dict(shape=_poly(g, 1 - g, 0), prior_shape=traced(g, 1 - g))
     for g, k in ((0.0, 3), (0.2, 3), (0.0, 40), (0.2, 40)):
         yield "staircase", f"{k} tensors, a − R = {g:g}·B", dict(
-            shape=_poly(g, 1 - g, 0), tensors=k, optimizer=g / 2, prior_shape=traced(g, 1 - g))
+            shape=_poly(g, 1 - g, 0), tensors=k, optimizer=g / 2, prior_shape=traced(g, 1 - g), unseen=e1)
     for g, o in ((0.3, 0.5), (0.6, 0.2), (0.1, 0.7)):
         shape = (lambda g: lambda x: max(g + 0.03 * x, x))(g)
         prior = (lambda g: lambda x: max(g + 0.03 * x, (1 + e1) * x))(g)
@@ -251,8 +271,10 @@ def _without_prior(run, capacity, *, min_batch, prior):
     return search_max(run, capacity, min_batch=min_batch)
 
 
+SMOOTH = "search_max, trace prior without the allocator model"
 SEARCHES: dict[str, Callable[..., SearchOutcome]] = {
     "search_max, trace prior": _with_prior,
+    SMOOTH: _with_prior,  # the staircases' prior as smooth as the trace's tensor bytes: what the model buys
     "search_max, trials only": _without_prior,
     "doubling + bisection": doubling_bisection,
 }
@@ -265,7 +287,8 @@ def measure(coarse: bool = False, searches: dict[str, Callable[..., SearchOutcom
         truth = true_max(curve)
         reference = len(doubling_bisection(oracle(curve), curve.capacity, min_batch=curve.min_batch).trials)
         for name, search in searches.items():
-            outcome = search(oracle(curve), curve.capacity, min_batch=curve.min_batch, prior=curve.prior)
+            prior = replace(curve, smooth_prior=True).prior if name == SMOOTH else curve.prior
+            outcome = search(oracle(curve), curve.capacity, min_batch=curve.min_batch, prior=prior)
             out[name][curve.family].add(outcome, truth, reference)
     return out
 

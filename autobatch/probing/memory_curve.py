@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 Curve = Callable[[int], float]  # predicted peak bytes at a batch
+_CURVED = 0.05  # calibrate: the prior's slopes must differ this much to fit its scale and per-sample bytes apart
 
 
 def fit_line(points: dict[int, int]) -> tuple[float, float] | None:
@@ -200,7 +201,10 @@ def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int]
         d1 = ((ys[1] - ys[0]), (ps[1] - ps[0]), (top[1] - top[0]))
         d2 = ((ys[2] - ys[1]), (ps[2] - ps[1]), (top[2] - top[1]))
         det = d1[1] * d2[2] - d2[1] * d1[2]
-        if det != 0:
+        # Where the prior is nearly straight over the points, scale and per-sample bytes cannot be
+        # told apart: its slopes over the two spans must differ by a twentieth.
+        slopes = (d1[1] / d1[2], d2[1] / d2[2])
+        if abs(slopes[1] - slopes[0]) >= _CURVED * max(map(abs, slopes)):
             beta = (d1[0] * d2[2] - d2[0] * d1[2]) / det
             gamma = (d1[1] * d2[0] - d2[1] * d1[0]) / det
             if 0.25 <= beta <= 4:

@@ -16,6 +16,11 @@ Guards keep a wrong model cheap:
   the boundary up past its own fit (it creeps), is a miss. After a failure the model aims lower,
   twice as low each time; creeping stretches the model's step, doubling, never past the middle;
   a model that a failure contradicts is not asked again until new points come: bisect;
+* **a prior that steps** (the trace booked in the allocator model: 2 MiB segments, a staircase):
+  the device crosses the capacity at one of its steps, so after the prior said a failed batch
+  fits, the batch just below its last step there is tried, then the step itself; where the
+  prior is flat from the largest fit through the smallest failure it cannot tell those batches
+  apart (a tensor it does not see grew): bisect;
 * **bisection**: when three model-led trials have not halved the bracket, or two failed running,
   bisect — geometrically while the failure is more than four times the largest fit.
 
@@ -138,6 +143,28 @@ class _Search:
             limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - points[self.lo])
         return crossing(curve, limit, self.lo, self.cap)
 
+    def step_below(self, batch: int) -> int | None:
+        """The batch below the prior's last step at or under ``batch``, or ``None`` where the prior
+        does not stay flat for two batches there (a smooth prior, or no prior)."""
+        prior = self.prior
+        if prior is None or batch - 1 <= self.lo:
+            return None
+        top = prior(batch)
+        if prior(batch - 1) != top:
+            # The prior steps at this very batch: the batch below, if the prior is flat under it.
+            flat = batch - 2 > self.lo and prior(batch - 2) == prior(batch - 1)
+            return batch - 1 if flat else None
+        low, step = batch - 1, 1  # prior(low) == top; gallop down to a batch below the step
+        while low - step > self.lo and prior(low - step) == top:
+            low, step = low - step, 2 * step
+        floor = max(self.lo, low - step)
+        if prior(floor) == top:
+            return None  # flat down to the largest fit: no step of the prior to try below
+        while low - floor > 1:
+            mid = (low + floor) // 2
+            low, floor = (mid, floor) if prior(mid) == top else (low, mid)
+        return low - 1 if low - 1 > self.lo else None
+
     def reach(self) -> int:
         """The furthest batch one trial may try."""
         if self.prior is not None:
@@ -164,7 +191,24 @@ class _Search:
         bisecting = False
         back, scale = None, 0  # a step back from the failure, and the last one that found a fit
         previous = moved = None  # the settled prior's last guess, and how far its guess last moved
+        drop = None  # the batch below the prior's last step under a failure it said fits
+        drops = 0  # failures running that were the prior's steps
         while not self.done:
+            if drop is not None:
+                batch, drop = self.clamp(drop), None
+                if self.attempt(batch):
+                    # Just below the prior's step: the step itself is the likeliest failure.
+                    if drops >= 0 and not self.done:
+                        drop = batch + 1
+                    drops = -1  # the step is tried once; a fit there leaves the prior flat above
+                    continue
+                if self.done or drops < 0:
+                    drops = 0
+                    continue
+                # The step below failed too: the prior is off by more than a step; one more.
+                drops += 1
+                drop = self.step_below(batch) if drops < 2 else None
+                continue
             if back is not None:
                 below = self.hi - back
                 if self.attempt(self.clamp(below if below > self.lo else self.bisect())):
@@ -191,7 +235,13 @@ class _Search:
             contradicted = self.prior is None and guess is not None and self.hi is not None and guess >= self.hi
             # Twice past the boundary running, or a bracket the model has stopped halving: the
             # model is off by more than it can tell (a staircase near its edge); bisect from now on.
-            if stalls >= _STALLS or (side < 0 and streak >= 2):
+            # A prior flat from the largest fit through the smallest failure cannot tell the batches
+            # between apart: the device crossed where the trace sees nothing grow.
+            blind = self.prior is not None and self.hi is not None and self.prior(self.lo + 1) == self.prior(self.hi)
+            if blind and self.prior(self.lo) != self.prior(self.lo + 1):
+                drop, drops = self.lo + 1, -1  # the prior steps right above the largest fit: try the step
+                continue
+            if blind or stalls >= _STALLS or (side < 0 and streak >= 2):
                 bisecting, stalls, side, streak = True, 0, 0, 0
             elif bisecting:
                 bisecting = False  # one bisection, then the model again on the new bracket
@@ -210,6 +260,13 @@ class _Search:
                 if self.hi is not None:
                     stalls = stalls + 1 if self.upper - self.lo > width / 2 else 0
                 said_fits = batch <= guess
+                if said_fits and not fits and settled and self.prior is not None:
+                    # A prior that steps (the allocator's rounding) and said this batch fits: the
+                    # device crossed the capacity at one of the prior's steps, most likely the
+                    # last one at or below it; try the batch just below that step.
+                    drop, drops = self.step_below(batch), 0
+                    if drop is not None:
+                        continue
                 if said_fits and not fits and settled and moved is not None:
                     # A calibrated prior that failed is off by about what it last moved (or by
                     # what the previous step back needed): step back from the failure by a

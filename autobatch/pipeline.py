@@ -19,7 +19,7 @@ from .probing.trial import Trial
 from .probing.workload import Workload, default_loss
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["Finding", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
+__all__ = ["Finding", "booked_as", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
            "local_gpu_count"]
 
 
@@ -153,7 +153,7 @@ def find_plan(
         cached = False
     else:
         def make_prior() -> Callable[[int], float] | None:
-            return try_trace_prior(workload, min_batch=min_micro) if use_trace_prior else None
+            return try_trace_prior(workload, min_batch=min_micro, allocator=booked_as(backend)) if use_trace_prior else None
 
         result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro,
                                       headroom=headroom, on_trial=on_trial, use_cache=use_cache, root=cache_root,
@@ -164,6 +164,12 @@ def find_plan(
                            model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
                            base_batch=base_batch)
     return Finding(result, plan, cached=cached, strategy=probed_strategy(result, chosen))
+
+
+def booked_as(backend: MemoryBackend) -> str:
+    """How ``backend`` books memory, for the prior to replay the same way: ``"caching"`` on a CUDA
+    device or the simulated caching-allocator model (a staircase), else ``"exact"`` tensor bytes."""
+    return "caching" if backend.device.type == "cuda" or getattr(backend, "allocator", None) == "caching" else "exact"
 
 
 def probed_strategy(result: ProbeResult, asked: Strategy | None) -> Strategy | None:

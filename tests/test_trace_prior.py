@@ -92,15 +92,6 @@ def test_a_batchnorm_model_is_traced_from_its_smallest_batch():
     assert 0 < prior(1) == prior(2) < prior(3) < prior(4)
 
 
-def test_between_traced_batches_each_phase_is_joined_then_the_larger_taken():
-    # The MLP's peak is AdamW's step up to ~150 samples, the activations' above: a line joining
-    # the peaks at 64 and 256 cuts that corner 6 % high at 150; per phase it is exact.
-    work = mlp_workload()
-    prior = trace_prior(work)
-    for batch in (100, 150, 200):
-        assert prior(batch) == trace_prior(work, min_batch=batch)(batch)
-
-
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # torch's own fast-path check
 def test_a_factory_whose_modules_copy_their_layers_is_traced():
     # nn.TransformerEncoder deep-copies its layer; built on fake tensors, the copies had fake

@@ -164,12 +164,13 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
 
 
 def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_mode: Any,
-                fused_attention: bool = True) -> Trial:
+                fused_attention: bool = True, log: Any = None) -> Trial:
     """One fake trial: :func:`~autobatch.probing.trial.run_trial` on fake tensors. Bytes are exact tensor bytes.
 
-    ``model`` must already be fake (see :func:`fake_model`) under the same ``fake_mode``.
+    ``model`` must already be fake (see :func:`fake_model`) under the same ``fake_mode``. A
+    ``log`` (:class:`~autobatch.estimating.replay.AllocationLog`) records every request and free.
     """
-    raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention), batch)
+    raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention, log=log), batch)
     return replace(raw, seconds_per_step=None)
 
 

@@ -84,12 +84,14 @@ class _FakeBackend(SimulatedBackend):
     ``reset_peak``/``peak``/``allocated_bytes`` are the simulated backend's own.
     """
 
-    def __init__(self, fake_mode: Any, fused_attention: bool, capacity: int = 1 << 62):
+    def __init__(self, fake_mode: Any, fused_attention: bool, capacity: int = 1 << 62, log: Any = None):
         # By default no budget: the search's capacity is the GPU's, not this one's. A sharded
         # trial (track_deferred) compares its peak with ``capacity`` at the step's end instead.
         super().__init__(capacity)
         self.fake_mode = fake_mode
         self.fused_attention = fused_attention
+        if log is not None:  # an AllocationLog records each storage's request and free, in order
+            self._tracker.allocator = log
 
     def info(self) -> DeviceInfo:
         return DeviceInfo("fake", "fake tensors", None, None, None, None, self.capacity())

@@ -3,12 +3,15 @@
 A real trial costs seconds to minutes and can run out of memory; a traced one costs the same
 small time at any batch and touches no device. :func:`trace_prior` traces the workload's
 training step (the estimate's :func:`~autobatch.estimating.estimate.trace_trial`) at the smallest
-batch and at 4, 16, 64, … as the search asks for them, and joins each phase's peaks (forward and
-backward; the optimizer step) by straight lines; the prior is the larger of the two. The
-search (:func:`~autobatch.probing.search.search_max`) calibrates this curve against the real
-trials (offset, scale, per-sample bytes), so what the trace cannot see — the CUDA context, the
-allocator's cache, a kernel's workspace — costs at most a trial, not a wrong answer: the answer
-still rests on real trials only.
+batch and at 4, 16 and 64, recording each request to the allocator, fits every request's size
+as a polynomial in the batch and replays the step at any batch (:mod:`~autobatch.estimating.replay`),
+booked as the device books it: through the caching-allocator model for a GPU, so the prior has
+the staircase the device's 2 MiB segments make, batch by batch. Where the traces differ in
+shape it joins each phase's peaks (forward and backward; the optimizer step) by straight lines,
+the prior being the larger of the two. The search (:func:`~autobatch.probing.search.search_max`)
+calibrates this curve against the real trials (offset, scale, per-sample bytes), so what the
+trace cannot see — the CUDA context, a kernel's workspace — costs at most a trial, not a wrong
+answer: the answer still rests on real trials only.
 
 :func:`try_trace_prior` is the same for ``find``'s default: a model the trace cannot follow
 (weights read from disk, data-dependent shapes, a custom op without a fake kernel) gives no
@@ -28,25 +31,34 @@ from ..modelinfo import min_batch_for
 from ..probing.workload import Workload
 from .estimate import _enable_checkpointing, fake_model, trace_trial
 from .fake_backends import _mode_of, _new_fake_mode
+from .replay import ALLOCATORS, AllocationLog, SizeLaws, fit_log
 
 __all__ = ["trace_prior", "try_trace_prior"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
+_FIT = 4    # traces the size laws are fitted through (three) and checked against (one)
 log = logging.getLogger("autobatch.estimating.prior")
 
 
-def trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable[[int], float]:
+def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact") -> Callable[[int], float]:
     """The traced peak (bytes) at any batch, for ``search_max(..., prior=...)`` or ``probe(..., prior=...)``.
 
     The fake copy of the model is made now, while the model is where its owner left it (a probe
-    that has lent it to a GPU would otherwise copy GPU tensors); traces run lazily, at most one
-    per power of four the search asks about, and are cached. The user's model is not touched
-    and the random number generator's state is restored after the copy and each trace.
+    that has lent it to a GPU would otherwise copy GPU tensors). The first call traces the
+    smallest batch and the next three powers of four, recording every request to the allocator
+    (:mod:`~autobatch.estimating.replay`); from then on the step replays at any batch, booked as
+    ``allocator`` books it (``"caching"``: the CUDA caching allocator's rounding and segments, a
+    staircase; ``"exact"``: tensor bytes). Where the traces differ in shape the prior joins the
+    traced peaks by straight lines instead, tracing a further power of four as the search asks.
+    The user's model is not touched and the random number generator's state is restored after
+    the copy and each trace.
 
     Args:
         workload: what to train.
         min_batch: the smallest batch traced (and the prior's value below it); default 2 for
             models with BatchNorm (which cannot train on one sample), else 1.
+        allocator: ``"caching"`` for a CUDA device (or a simulated one with its allocator model),
+            ``"exact"`` for the simulated budget's exact bytes.
 
     Example:
         >>> import torch, autobatch
@@ -55,7 +67,11 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable
         >>> prior = trace_prior(work)
         >>> prior(256) > prior(16) >= prior(1) > 0
         True
+        >>> trace_prior(work, allocator="caching")(256) % 512  # whole blocks
+        0.0
     """
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got allocator={allocator!r}")
     mode = _mode_of(workload.model) or _new_fake_mode()
     with torch.random.fork_rng(devices=[]):  # a factory built in the fake mode may still draw
         model = fake_model(workload.model, mode)
@@ -64,18 +80,45 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable
                 _enable_checkpointing(model)
     model.train()
     first = min_batch if min_batch is not None else min_batch_for(model)
+    grid = [first]
+    while len(grid) < _FIT + 1:
+        grid.append(next(g for g in (_GRID ** k for k in range(1, 64)) if g > grid[-1]))
     peaks: dict[int, tuple[float, float]] = {}
+    logs: dict[int, AllocationLog] = {}
+    replayed: dict[int, float] = {}
+    fitted: list[SizeLaws | None] = []
 
     def traced(batch: int) -> tuple[float, float]:
         if batch not in peaks:
+            record = AllocationLog()
             with torch.random.fork_rng(devices=[]):
-                trial = trace_trial(workload, model, batch, fake_mode=mode)
+                trial = trace_trial(workload, model, batch, fake_mode=mode, log=record)
             peaks[batch] = (float(trial.forward_backward_bytes or trial.reserved_bytes),
                             float(trial.optimizer_bytes or trial.reserved_bytes))
+            logs[batch] = record
         return peaks[batch]
+
+    def laws() -> SizeLaws | None:
+        if not fitted:
+            for batch in grid[:_FIT]:
+                traced(batch)
+            found = fit_log({b: logs[b] for b in grid[:_FIT]})
+            if found is None:  # the smallest batch may take other paths (a squeezed dimension)
+                traced(grid[_FIT])
+                found = fit_log({b: logs[b] for b in grid[1:_FIT + 1]})
+            if found is None:
+                log.debug("the traces of %s differ in shape between batches; the prior joins them by lines",
+                          workload.name)
+            fitted.append(found)
+        return fitted[0]
 
     def prior(batch: int) -> float:
         batch = max(first, batch)
+        replay = laws()
+        if replay is not None:
+            if batch not in replayed:
+                replayed[batch] = float(replay.peak(batch, allocator))
+            return replayed[batch]
         low, high = first, _GRID
         while high <= first:
             high *= _GRID
@@ -91,7 +134,8 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable
     return prior
 
 
-def try_trace_prior(workload: Workload, *, min_batch: int | None = None) -> Callable[[int], float] | None:
+def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
+                    allocator: str = "exact") -> Callable[[int], float] | None:
     """:func:`trace_prior`, or ``None`` where the model cannot be copied onto fake tensors.
 
     A trace that fails later (at some batch) makes the prior answer NaN from then on, which
@@ -107,7 +151,7 @@ def try_trace_prior(workload: Workload, *, min_batch: int | None = None) -> Call
         True
     """
     try:
-        prior = trace_prior(workload, min_batch=min_batch)
+        prior = trace_prior(workload, min_batch=min_batch, allocator=allocator)
     except Exception as exc:  # any failure only costs the prior: the trials still answer
         log.debug("no trace prior for %s (%s: %s); the search uses its trials alone",
                   workload.name, type(exc).__name__, exc)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Container, Sequence
 
 __all__ = [
     "Curve", "fit_line", "bends_up", "chord_batch", "predict_batch", "crossing", "ladder", "calibrate", "curvature_bound",
+    "quadratic",
 ]
 
 Curve = Callable[[int], float]  # predicted peak bytes at a batch
@@ -143,7 +144,7 @@ def crossing(curve: Curve, limit: float, lo: int, hi: int) -> int:
     return lo
 
 
-def _quadratic(p: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+def quadratic(p: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
     """``(a, c, q)`` of ``a + c·b + q·b²`` through three points."""
     (x0, y0), (x1, y1), (x2, y2) = p
     d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
@@ -174,12 +175,12 @@ def ladder(points: dict[int, int], resident: int | None) -> Curve | None:
     if len(points) >= 3:
         below = [b for b in points if b < partner]
         third = _partner(below + [partner]) if below else max(b for b in points if b not in (anchor, partner))
-        curve = _rising(*_quadratic(sorted((b, points[b]) for b in (third, partner, anchor))))
+        curve = _rising(*quadratic(sorted((b, points[b]) for b in (third, partner, anchor))))
         if curve is not None:
             return curve
     if (ya - base) * partner > (yp - base) * anchor * 1.001:
         # Above the chord through the partner: the curve bends up.
-        return _rising(*_quadratic([(0, base), (partner, yp), (anchor, ya)]))
+        return _rising(*quadratic([(0, base), (partner, yp), (anchor, ya)]))
     slope = (ya - yp) / (anchor - partner)
     return None if slope <= 0 else (lambda b: ya + slope * (b - anchor))
 

@@ -193,7 +193,11 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
 
     workload = load_model(model, **load).to_workload(**settings)
     device = "cpu" if memory is not None else f"cuda:{rank_env().local_rank}"
-    result = probe_distributed(workload, make_backend(device, memory), **options)
+    backend = make_backend(device, memory)
+    options = dict(options)
+    led = options.pop("use_trace_prior", True) and options.get("strategy") is None
+    prior = try_trace_prior(workload, min_batch=options.get("min_batch"), allocator=booked_as(backend)) if led else None
+    result = probe_distributed(workload, backend, prior=prior, **options)
     return result.to_probe_result(), str(result)
 
 

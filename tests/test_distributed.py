@@ -35,6 +35,7 @@ from autobatch.distributed import (  # noqa: E402
     is_launched, probe_distributed, process_group, rank_env,
 )
 from autobatch.errors import AutobatchError, ConfigError  # noqa: E402
+from autobatch.estimating.prior import try_trace_prior  # noqa: E402
 from tests.tiny import TinyLM, lm_workload  # noqa: E402
 
 KIB = 1024
@@ -58,9 +59,14 @@ def _case_budgets(out: Path) -> None:
         work = lm_workload(model)
         plain = probe_distributed(work, SimulatedBackend(budget(rank)), wrap=None)
         ddp = probe_distributed(work, SimulatedBackend(budget(rank)), wrap="ddp")
+        # Each rank's prior a little different: the ranks must still read one and the same.
+        traced = try_trace_prior(work)
+        led = probe_distributed(work, SimulatedBackend(budget(rank)), wrap=None,
+                                prior=lambda b: traced(b) + rank * 4096)
     restored = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     out.joinpath(f"rank{rank}.json").write_text(json.dumps(
-        {"plain": plain.to_dict(), "ddp": ddp.to_dict(), "restored": restored, "text": str(ddp)}))
+        {"plain": plain.to_dict(), "ddp": ddp.to_dict(), "led": led.to_dict(), "restored": restored,
+         "text": str(ddp)}))
 
 
 def _case_error(out: Path) -> None:
@@ -142,11 +148,18 @@ def test_every_rank_returns_the_minimum_over_ranks(three_ranks: list[dict]) -> N
 
 
 def test_trial_sequences_are_identical_on_all_ranks(three_ranks: list[dict]) -> None:
-    for key in ("plain", "ddp"):
+    for key in ("plain", "ddp", "led"):
         agreed = [[t["batch"] for t in r[key]["trials"]] for r in three_ranks]
         assert agreed[0] == agreed[1] == agreed[2]
         local = [[t["batch"] for t in rank["trials"]] for rank in three_ranks[0][key]["ranks"]]
         assert local == [agreed[0]] * 3  # each rank ran exactly the agreed sequence
+
+
+def test_the_trace_leads_every_rank_to_the_same_answer_in_fewer_trials(three_ranks: list[dict]) -> None:
+    plain, led = three_ranks[0]["plain"], three_ranks[0]["led"]
+    assert led["max_batch"] == plain["max_batch"] and led["limiting_ranks"] == [2]
+    assert [(t["batch"], t["fits"]) for t in led["trials"]] == [(1, True), (24, True), (30, True), (31, False)]
+    assert [(t["batch"], t["fits"]) for t in plain["trials"]] == [(1, True), (7, True), (22, True), (30, True), (31, False)]
 
 
 def test_the_report_says_what_each_rank_could_do_alone(three_ranks: list[dict]) -> None:

@@ -10,7 +10,7 @@ import torch
 from autobatch import AutobatchError, CudaBackend, NoBatchFitsError, Workload, probe
 from autobatch.probing.backends.cuda import nvml_usage
 from autobatch.distributed import probe_distributed, process_group
-from autobatch.distributed.lockstep import _comm_device
+from autobatch.distributed.agreement import comm_device
 from autobatch.probing.preserve import borrowed_model
 from autobatch.probing.probe import make_backend
 from autobatch.probing.trial import run_trial
@@ -124,7 +124,7 @@ def test_the_agreement_runs_on_the_probed_gpu_not_the_current_one(monkeypatch):
     with emulated(4, patch=monkeypatch):
         backend = CudaBackend("cuda:3")
         assert torch.cuda.current_device() == 0
-        assert _comm_device(backend) == torch.device("cuda", 3)
+        assert comm_device(backend) == torch.device("cuda", 3)
 
 
 def test_weights_that_do_not_fit_are_no_batch_fits_and_the_model_is_untouched(monkeypatch):

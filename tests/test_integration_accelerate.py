@@ -187,15 +187,15 @@ def test_ranks_combine_their_trials_and_end_on_the_smaller_device(monkeypatch) -
 
     gathered: list[int] = []
 
-    def share(comm, trial):  # what _share_trial returns on rank 0: [rank 0's trial, rank 1's]
+    def share(comm, trial):  # what share_trial returns on rank 0: [rank 0's trial, rank 1's]
         gathered.append(trial.batch)
         other = dataclasses.replace(trial, fits=trial.batch <= OTHER_LIMIT,
                                     error=None if trial.batch <= OTHER_LIMIT else "CUDA out of memory.")
         return [trial, other]
 
     monkeypatch.setattr(integration, "world", lambda: (0, 2))
-    monkeypatch.setattr(integration, "_comm_device", lambda backend=None: torch.device("cpu"))
-    monkeypatch.setattr(integration, "_share_trial", share)
+    monkeypatch.setattr(integration, "comm_device", lambda backend=None: torch.device("cpu"))
+    monkeypatch.setattr(integration, "share_trial", share)
     completed: list[int] = []
     train = find_executable_batch_size(starting_batch_size=128)(training_function)
     assert train(completed) == OTHER_LIMIT and completed == [OTHER_LIMIT]

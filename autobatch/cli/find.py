@@ -231,6 +231,8 @@ def find_command(
     if is_launched():
         # Under torchrun / accelerate launch: every rank probes its own device, in lockstep.
         from ..distributed.lockstep import probe_distributed
+        from ..estimating.prior import try_trace_prior
+        from ..pipeline import booked_as
         from .strategies import user_deepspeed_config
 
         env = rank_env()
@@ -239,7 +241,10 @@ def find_command(
             workload = load_model(model, **load).to_workload(**settings)
             sharded = {} if strategies is None else {"strategy": strategies[0],
                                                      "deepspeed_config": user_deepspeed_config(deepspeed)}
-            result = probe_distributed(workload, backend, **options, timeout_s=timeout, **sharded)
+            # The trace leads an unsharded search on every rank, as without a launcher.
+            prior = None if no_trace_prior or strategies is not None else try_trace_prior(
+                workload, min_batch=min_micro, allocator=booked_as(backend))
+            result = probe_distributed(workload, backend, **options, timeout_s=timeout, prior=prior, **sharded)
         if not is_main_process():
             return  # only rank 0 prints and writes files
         if nodes == 1 and env.world_size > env.local_world_size:
@@ -251,8 +256,8 @@ def find_command(
     elif strategies is None and device is None and memory is None and (gpu_count := local_gpu_count()) > 1:
         # Several GPUs and no launcher: start one worker per GPU ourselves (same lockstep path).
         status_console.print(f"probing {gpu_count} GPUs, one worker each…", highlight=False)
-        agreed, report = spawn_local(probe_worker, (model, load, settings, {**options, "timeout_s": timeout}),
-                                     timeout_s=timeout)
+        worker = {**options, "timeout_s": timeout, "use_trace_prior": not no_trace_prior}
+        agreed, report = spawn_local(probe_worker, (model, load, settings, worker), timeout_s=timeout)
         plan = plan_from_probe(agreed, gpus_per_node=gpus or gpu_count, **planning)
         finding = Finding(agreed, plan, ranks_report=report)
     else:

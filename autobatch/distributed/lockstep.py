@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,149 +40,13 @@ from ..strategy import Strategy, parse_strategy
 from ..units import format_bytes
 from .ddp import ddp_for_trials
 from .launch import DEFAULT_TIMEOUT_S
-from .result import DistributedProbeResult, RankFailedError, RankReport
+from .agreement import Comm, agree_on_errors, agreed_prior, agreed_trial, collective, comm_device, share_trial, warm_up
+from .result import DistributedProbeResult, RankReport
 from .sharded_trial import run_sharded_trial
 from .sharding import with_unit
 from .simulated_world import sharding_report
 
 __all__ = ["probe_distributed"]
-
-_BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
-
-# The figures each rank shares after a trial, in this order (float64: exact for bytes below 8 PiB).
-_FIELDS = ("fits", "peak", "reserved", "forward_backward", "optimizer", "resident", "seconds", "retries")
-
-
-# --- agreement ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Comm:
-    """Where the agreement's tensors live and how long any rank may keep the others waiting."""
-
-    device: torch.device
-    timeout_s: float
-
-
-def _comm_device(backend: MemoryBackend | None = None) -> torch.device:
-    # NCCL only moves CUDA tensors, and must move them on the GPU this rank probes (the current
-    # device may still be GPU 0 on every rank); gloo only CPU ones.
-    if dist.get_backend() == "nccl":
-        if backend is not None and backend.device.type == "cuda":
-            return backend.device
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _collective(comm: _Comm, what: str, start: Callable[[], Any], after: Callable[[], Any] = lambda: None) -> Any:
-    """Run one collective to completion within ``comm.timeout_s``, and ``after`` (reading the result).
-
-    NCCL's collectives return at once and fail later, at the next synchronisation or as a
-    watchdog abort; waiting on the work with a timeout and synchronising here makes any failure
-    one clear error, raised at this step, in time.
-    """
-    try:
-        work = start()
-        if work is not None:
-            # Poll rather than wait(timeout): gloo's wait ignores a timeout shorter than the group's.
-            deadline, pause = time.monotonic() + comm.timeout_s, 0.0005
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the collective did not complete within {comm.timeout_s:.0f} s")
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
-            work.wait()  # the collective's own error, if it failed
-        if comm.device.type == "cuda":
-            torch.cuda.synchronize(comm.device)
-        return after()
-    except RuntimeError as exc:  # DistBackendError, gloo/NCCL timeouts and aborts are RuntimeErrors
-        raise AutobatchError(
-            f"lost contact with the other ranks while {what} (no answer within {comm.timeout_s:.0f} s: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
-            "a rank crashed, hung or was not started — read every rank's log"
-        ) from exc
-
-
-def _agree_on_errors(comm: _Comm, exc: BaseException | None, stage: str) -> None:
-    """Collective: if any rank failed, every rank raises.
-
-    The failing rank raises its own error, the others :class:`RankFailedError` naming it; when
-    the error is that nothing fits (:class:`NoBatchFitsError`), every rank raises that same
-    error, word for word.
-    """
-    flag = torch.tensor([0.0 if exc is None else 1.0], device=comm.device)
-    failed = _collective(comm, stage, lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True),
-                         lambda: flag.item())
-    if failed == 0:
-        return
-    mine = None if exc is None else (
-        type(exc).__name__, str(exc).splitlines()[0][:500] if str(exc) else "", isinstance(exc, NoBatchFitsError))
-    messages: list[Any] = [None] * dist.get_world_size()
-    _collective(comm, stage, lambda: dist.all_gather_object(messages, mine))
-    rank, (name, message, no_fit) = next((r, m) for r, m in enumerate(messages) if m is not None)
-    if no_fit:
-        raise NoBatchFitsError(f"rank {rank}: {message}") from exc
-    if exc is not None:
-        raise exc
-    raise RankFailedError(
-        f"rank {rank} failed while {stage} with {name}: {message}; every rank stopped with it "
-        f"(the traceback is in rank {rank}'s log)",
-        rank=rank,
-    )
-
-
-def _share_trial(comm: _Comm, trial: Trial | None) -> list[Trial | None]:
-    """Collective: every rank's trial figures (``None`` for a rank whose trial raised)."""
-    if trial is None:
-        row = [-1.0] * len(_FIELDS)
-    else:
-        row = [float(trial.fits), trial.peak_bytes, trial.reserved_bytes, trial.forward_backward_bytes,
-               trial.optimizer_bytes, -1.0 if trial.resident_bytes is None else trial.resident_bytes,
-               -1.0 if trial.seconds_per_step is None else trial.seconds_per_step, trial.alloc_retries]
-    mine = torch.tensor(row, dtype=torch.float64, device=comm.device)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    return _collective(comm, "sharing a trial", lambda: dist.all_gather(rows, mine, async_op=True),
-                       lambda: [_row_to_trial(trial.batch if trial else 0, r.tolist()) for r in rows])
-
-
-def _row_to_trial(batch: int, row: list[float]) -> Trial | None:
-    if row[0] < 0:
-        return None
-    fits, peak, reserved, fb, opt, resident, seconds, retries = row
-    return Trial(
-        batch=batch, fits=bool(fits), peak_bytes=int(peak), reserved_bytes=int(reserved),
-        forward_backward_bytes=int(fb), optimizer_bytes=int(opt),
-        resident_bytes=None if resident < 0 else int(resident), seconds_per_step=None if seconds < 0 else seconds,
-        error=None if fits else "out of memory", alloc_retries=int(retries),
-    )
-
-
-def _agreed(batch: int, trials: list[Trial]) -> Trial:
-    failed = [r for r, t in enumerate(trials) if not t.fits]
-    fits = not failed
-    return Trial(
-        batch=batch,
-        fits=fits,
-        peak_bytes=max(t.peak_bytes for t in trials),
-        reserved_bytes=max(t.reserved_bytes for t in trials),
-        forward_backward_bytes=max(t.forward_backward_bytes for t in trials),
-        optimizer_bytes=max(t.optimizer_bytes for t in trials),
-        resident_bytes=max(t.resident_bytes or 0 for t in trials) if fits else None,
-        # The slowest rank sets the pace of a synchronous step.
-        seconds_per_step=max(t.seconds_per_step or 0.0 for t in trials) if fits else None,
-        error=None if fits else "out of memory on rank " + ", ".join(map(str, failed)),
-        alloc_retries=max(t.alloc_retries for t in trials),
-    )
-
-
-def _warm_up(comm: _Comm, model: torch.nn.Module) -> None:
-    """Collective: one all-reduce the size of a DDP gradient bucket (at most 25 MiB) on the comm device."""
-    grads = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    size = max(1, min(grads, _BUCKET_BYTES // 4)) if comm.device.type == "cuda" else 1
-    bucket = torch.zeros(size, dtype=torch.float32, device=comm.device)
-    _collective(comm, "setting up the communicator", lambda: dist.all_reduce(bucket, async_op=True))
-    del bucket
-
 
 # --- the probe ------------------------------------------------------------------------------
 
@@ -214,6 +77,7 @@ def probe_distributed(
     timeout_s: float | None = None,
     strategy: Strategy | str | None = None,
     deepspeed_config: dict[str, Any] | None = None,
+    prior: Callable[[int], float] | None = None,
 ) -> DistributedProbeResult:
     """Probe the largest per-rank batch on every rank of the process group, in lockstep.
 
@@ -240,6 +104,10 @@ def probe_distributed(
             decides fit at the step's end, so no rank leaves the others inside a collective on a
             simulated budget. ``wrap`` is then ignored.
         deepspeed_config: the user's DeepSpeed config, whose bucket sizes a ZeRO strategy uses.
+        prior: the predicted peak at any batch that leads the search, as in
+            :func:`~autobatch.probing.search.search_max` (e.g. ``try_trace_prior(workload)``, built
+            before the model moves); used only if every rank has one, and every rank reads the
+            largest value any rank predicts (:func:`~autobatch.distributed.agreement.agreed_prior`).
 
     Example:
         >>> # torchrun --nproc-per-node 2 script.py, with in script.py:
@@ -273,19 +141,19 @@ def probe_distributed(
         needed = min_batch if min_batch is not None else min_batch_for(model)
     except Exception as exc:
         error = exc
-    comm = _Comm(_comm_device(backend), DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
-    _agree_on_errors(comm, error, "setting up")  # past this line every rank has a backend and a model
+    comm = Comm(comm_device(backend), DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    agree_on_errors(comm, error, "setting up")  # past this line every rank has a backend and a model
     if chosen is not None:
         chosen = with_unit(chosen, model)  # the block FSDP wraps, named in the report and the configs
 
     # Training all-reduces gradient buckets; the trials (under no_sync) never do. The first such
     # collective sets up NCCL's communicator, whose buffers take memory outside the allocator:
     # run one now, then read the capacity, so the probe leaves room for them.
-    _warm_up(comm, model)
+    warm_up(comm, model)
     backend.remeasure()
     # The search must see the same capacity everywhere: the smallest one.
     agreed = torch.tensor([-float(backend.capacity()), float(needed)], dtype=torch.float64, device=comm.device)
-    capacity, min_batch = _collective(
+    capacity, min_batch = collective(
         comm, "agreeing on capacity", lambda: dist.all_reduce(agreed, op=dist.ReduceOp.MAX, async_op=True),
         lambda: (int(-agreed[0].item()), int(agreed[1].item())))
     if max_batch is not None and max_batch < min_batch:
@@ -305,13 +173,13 @@ def probe_distributed(
                 mine, breakdowns[batch], configs[batch] = done.trial, done.breakdown, done.config
         except Exception as exc:  # run_trial turned OOM into a trial already
             failure = exc
-        shared = _share_trial(comm, mine)
+        shared = share_trial(comm, mine)
         if any(t is None for t in shared):
-            _agree_on_errors(comm, failure, f"running the trial at batch {batch}")
+            agree_on_errors(comm, failure, f"running the trial at batch {batch}")
         trials = [replace(t, batch=batch) for t in shared if t is not None]
         for r, t in enumerate(trials):
             local_trials[r].append(t)
-        trial = _agreed(batch, trials)
+        trial = agreed_trial(batch, trials)
         if on_trial is not None:
             on_trial(trial)
         return trial
@@ -327,14 +195,15 @@ def probe_distributed(
                     borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
             except Exception as exc:
                 error = weights_error(exc, backend, "the model's weights")
-            _agree_on_errors(comm, error, "moving the model to its device")
+            agree_on_errors(comm, error, "moving the model to its device")
         if use_ddp:
             try:
                 net = stack.enter_context(ddp_for_trials(net, backend))
             except Exception as exc:  # out of memory for the buckets alone, or one of DDP's checks
                 error = weights_error(exc, backend, "the model's weights and DDP's gradient buckets")
-            _agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
-        outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch)
+            agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
+        outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
+                             prior=agreed_prior(comm, prior))
         net = None  # the wrapper's gradient buckets die with the last reference
     if owned:
         del model
@@ -342,7 +211,7 @@ def probe_distributed(
 
     me = (local_rank, socket.gethostname(), backend.info().to_dict())
     everyone: list[Any] = [None] * world
-    _collective(comm, "gathering the rank reports", lambda: dist.all_gather_object(everyone, me))
+    collective(comm, "gathering the rank reports", lambda: dist.all_gather_object(everyone, me))
     reports = tuple(
         _rank_report(r, lr, host, DeviceInfo(**info), local_trials[r]) for r, (lr, host, info) in enumerate(everyone)
     )

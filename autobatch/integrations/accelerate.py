@@ -47,7 +47,7 @@ from torch.optim.optimizer import (
 )
 
 from ..distributed.launch import DEFAULT_TIMEOUT_S
-from ..distributed.lockstep import _agreed, _collective, _Comm, _comm_device, _share_trial
+from ..distributed.agreement import Comm, agreed_trial, collective, comm_device, share_trial
 from ..distributed.result import RankFailedError
 from ..errors import AutobatchError
 from ..guard import OOMGuard
@@ -181,7 +181,7 @@ def find_executable_batch_size(
                 f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`"
             )
         device = backend if backend is not None else _default_backend()
-        comm = _Comm(_comm_device(device), DEFAULT_TIMEOUT_S) if world()[1] > 1 else None
+        comm = Comm(comm_device(device), DEFAULT_TIMEOUT_S) if world()[1] > 1 else None
         processes = accelerator.num_processes if accelerator is not None else world()[1]
         decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
         searched = False
@@ -288,7 +288,7 @@ def _plan(target: int, processes: int, cap: int) -> Plan:
 
 def _search(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: MemoryBackend | None,
-    cap: int, steps: int, on_trial: Callable[[Trial], None] | None, called: list[int], comm: _Comm | None = None,
+    cap: int, steps: int, on_trial: Callable[[Trial], None] | None, called: list[int], comm: Comm | None = None,
 ) -> tuple[SearchOutcome, list[Any]]:
     """The search's outcome, and ``[result]`` when a trial ran the function to its end (then the search stopped)."""
     finished: list[Any] = []
@@ -305,7 +305,7 @@ def _search(
     capacity = backend.capacity() if backend is not None else 1
     if comm is not None and backend is not None:  # the same search everywhere: on the smallest capacity
         smallest = torch.tensor([capacity], dtype=torch.float64, device=comm.device)
-        capacity = int(_collective(comm, "agreeing on capacity", lambda: dist.all_reduce(
+        capacity = int(collective(comm, "agreeing on capacity", lambda: dist.all_reduce(
             smallest, op=dist.ReduceOp.MIN, async_op=True), lambda: smallest.item()))
     trials: list[Trial] = []
 
@@ -321,12 +321,12 @@ def _search(
 
 def _agreed_trial(
     function: Callable[..., Any], batch: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    backend: MemoryBackend | None, steps: int, finished: list[Any], comm: _Comm | None,
+    backend: MemoryBackend | None, steps: int, finished: list[Any], comm: Comm | None,
 ) -> Trial:
     """This rank's trial, or in a process group the trial every rank agrees on (collective).
 
     It fits only where it fit on every rank, with the largest bytes any rank measured
-    (:func:`~autobatch.distributed.lockstep._agreed`), so every rank's search takes the same next
+    (:func:`~autobatch.distributed.agreement.agreed_trial`), so every rank's search takes the same next
     step. A rank whose trial raised another error tells the others, which stop too.
     """
     modules = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module)]
@@ -334,16 +334,16 @@ def _agreed_trial(
         trial = _trial(function, batch, args, kwargs, backend, steps, modules, finished)
     except Exception:
         if comm is not None:
-            _share_trial(comm, None)
+            share_trial(comm, None)
         raise
     if comm is None:
         return trial
-    shared = _share_trial(comm, trial)
+    shared = share_trial(comm, trial)
     failed = [rank for rank, t in enumerate(shared) if t is None]
     if failed:
         raise RankFailedError(f"rank {failed[0]} failed in its trial at batch {batch}; every rank stopped with it "
                               f"(the error is in rank {failed[0]}'s log)", rank=failed[0])
-    return _agreed(batch, [replace(t, batch=batch) for t in shared])
+    return agreed_trial(batch, [replace(t, batch=batch) for t in shared])
 
 
 class _Finished(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,9 @@ from .probing.workload import Workload, default_loss
 from .strategy import Strategy, parse_strategy
 
 __all__ = ["Finding", "booked_as", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
-           "local_gpu_count"]
+           "local_gpu_count", "sharded_trace_prior"]
+
+log = logging.getLogger("autobatch.estimating.prior")  # the trace prior's one logger, wherever it is built
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,10 @@ def find_plan(
         from .distributed.simulated_world import probe_sharded
 
         world = max(1, gpus_per_node * nodes // model_parallel)
+        prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
+                                    deepspeed_config=deepspeed_config) if use_trace_prior else None
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
-                               headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial)
+                               headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial, prior=prior)
         cached = False
     else:
         def make_prior() -> Callable[[int], float] | None:
@@ -164,6 +169,43 @@ def find_plan(
                            model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
                            base_batch=base_batch)
     return Finding(result, plan, cached=cached, strategy=probed_strategy(result, chosen))
+
+
+def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: int | None = None,
+                        allocator: str = "exact", deepspeed_config: dict[str, Any] | None = None,
+                        ) -> Callable[[int], float] | None:
+    """The sharded step traced on fake tensors as the search's prior, for :func:`probe_sharded`.
+
+    A fake copy of the model is wrapped as ``strategy`` wraps it, on the probe's own fake
+    process group (the traces run when the search first asks, inside it), and replayed at any
+    batch as :func:`~autobatch.estimating.prior.trace_prior` replays a plain step. DDP's reducer
+    reads its tensors' data, so ``ddp`` takes the plain step's trace (its buckets are a constant
+    the calibration absorbs). ``None`` where the model cannot be copied onto fake tensors; a
+    trace that fails later makes the prior NaN, and the trials alone answer.
+    """
+    from .distributed.sharded_trial import run_sharded_trial
+    from .estimating.estimate import fake_model
+    from .estimating.fake_backends import _mode_of, _new_fake_mode, fake_backend
+    from .estimating.prior import guarded_prior, replayed_prior
+    from .modelinfo import min_batch_for
+
+    if strategy.name == "ddp":
+        return try_trace_prior(workload, min_batch=min_batch, allocator=allocator)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            template = fake_model(workload.model, _mode_of(workload.model) or _new_fake_mode())
+    except Exception as exc:  # any failure only costs the prior
+        log.debug("no trace prior for %s under %s (%s: %s)", workload.name, strategy.label, type(exc).__name__, exc)
+        return None
+    first = min_batch if min_batch is not None else min_batch_for(template)
+
+    def trace(batch: int, record: Any) -> tuple[float, float]:
+        backend = fake_backend(template, 1 << 62, log=record)
+        trial = run_sharded_trial(workload, template, strategy, backend, batch, deepspeed_config=deepspeed_config).trial
+        return (float(trial.forward_backward_bytes or trial.reserved_bytes),
+                float(trial.optimizer_bytes or trial.reserved_bytes))
+
+    return guarded_prior(replayed_prior(trace, first, allocator=allocator, name=workload.name), workload.name)
 
 
 def booked_as(backend: MemoryBackend) -> str:

@@ -21,7 +21,7 @@ def invoke(*args: str):
 def test_find_compares_strategies_one_row_each():
     need("deepspeed")
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "4",
-                 "--strategy", "ddp,fsdp2,zero3", "--max-batch", "3", "--json")
+                 "--strategy", "ddp,fsdp2,zero3", "--max-batch", "3", "--json", "--no-trace-prior")
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["strategies"]
     assert [r["probe"]["sharding"]["strategy"]["name"] for r in rows] == ["ddp", "fsdp2", "zero3"]

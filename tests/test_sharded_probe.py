@@ -17,6 +17,7 @@ from autobatch.distributed.sharding import fsdp_units
 from autobatch.distributed.simulated_world import probe_sharded
 from autobatch.distributed.zero import auto_bucket_sizes, zero_config
 from autobatch.errors import AutobatchError, NoBatchFitsError
+from autobatch.pipeline import find_plan
 from autobatch.probing.backends import SimulatedBackend
 from autobatch.strategy import Strategy
 from tests import sharded_jobs
@@ -79,6 +80,18 @@ def test_find_answers_for_w_ranks_from_one_cpu() -> None:
     plan = autobatch.find(sharded_jobs.blocks, sharded_jobs.batch, target=64, device="cpu", memory=BUDGET,
                           gpus_per_node=4, strategy="fsdp2", headroom=0)
     assert plan.world_size == 4 and plan.micro_batch * plan.grad_accum * 4 == 64
+
+
+def test_the_sharded_step_traced_on_fake_tensors_leads_the_search() -> None:
+    # The trace wraps a fake copy as FSDP2 wraps it, on the probe's own fake group of four,
+    # and replays it at any batch: the first guess is the answer, with the same exact result.
+    def trials(**options):
+        finding = find_plan(sharded_jobs.workload(), backend=SimulatedBackend("600KiB"), strategy="fsdp2",
+                            gpus_per_node=4, headroom=0, **options)
+        return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials]
+
+    assert trials() == (18, [(1, True), (18, True), (19, False)])
+    assert trials(use_trace_prior=False) == (18, [(1, True), (3, True), (13, True), (17, True), (19, False), (18, True)])
 
 
 def test_fsdp_units_are_the_transformer_blocks() -> None:

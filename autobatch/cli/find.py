@@ -271,7 +271,8 @@ def find_command(
                 from .strategies import find_strategies, print_strategy_rows
 
                 findings = find_strategies(workload, strategies, backend, gpus=gpus, deepspeed=deepspeed,
-                                           options=options, planning=planning, on_trial=progress)
+                                           options=options, planning=planning, on_trial=progress,
+                                           use_trace_prior=not no_trace_prior)
                 if len(findings) > 1:
                     print_strategy_rows(findings, _device_line(backend.info()), as_json=as_json)
                     return

@@ -42,12 +42,13 @@ def user_deepspeed_config(path: str | None) -> dict[str, Any] | None:
 
 def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, gpus: int | None,
                     deepspeed: str | None, options: dict[str, Any], planning: dict[str, Any],
-                    on_trial: Any = None, setup: Any = None) -> list[Any]:
+                    on_trial: Any = None, setup: Any = None, use_trace_prior: bool = True) -> list[Any]:
     """One :class:`~autobatch.pipeline.Finding` per strategy, each probed as rank 0 of the data-parallel world.
 
     When several are compared, one under which nothing fits becomes a :class:`NoFit` row; a single
     strategy raises its error. ``setup(strategy)``, when given, returns the workload and backend
-    for that strategy instead of ``workload`` and ``backend``.
+    for that strategy instead of ``workload`` and ``backend``. ``use_trace_prior`` leads each
+    search with the sharded step traced on fake tensors.
     """
     from ..errors import NoBatchFitsError
     from ..pipeline import find_plan
@@ -60,7 +61,8 @@ def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, 
         try:
             found.append(find_plan(workload, gpus_per_node=gpus or 1, backend=backend, max_batch=options["max_batch"],
                                    min_micro=options["min_batch"], headroom=options["headroom"], strategy=chosen,
-                                   deepspeed_config=user_config, on_trial=on_trial, **planning))
+                                   deepspeed_config=user_config, on_trial=on_trial, use_trace_prior=use_trace_prior,
+                                   **planning))
         except NoBatchFitsError as exc:
             if len(strategies) == 1:
                 raise
@@ -159,8 +161,9 @@ def estimate_strategies(model: str, spec: Any, strategies: list[Strategy], *, lo
                    "cannot be traced on fake tensors): minutes for a large model", err=True)
         return load_model(model, **load).to_workload(**settings), gpu_attention_backend(usable)
 
+    # The trials already run on fake tensors (or DDP's real steps, as before): a traced prior saves nothing.
     findings = find_strategies(None, strategies, None, gpus=gpus, deepspeed=outputs["deepspeed"], options=options,
-                               planning=planning, setup=setup)
+                               planning=planning, setup=setup, use_trace_prior=False)
     said = "; ".join(f"{label}: {way}" for label, way in how.items())
     world = gpus * planning["nodes"] // planning["model_parallel"]
     if len(findings) > 1:

@@ -57,6 +57,7 @@ def probe_sharded(
     headroom: float | int | str = DEFAULT_HEADROOM,
     deepspeed_config: dict[str, Any] | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    prior: Callable[[int], float] | None = None,
 ) -> ProbeResult:
     """The exact largest per-rank batch under ``strategy`` on ``world_size`` ranks, probed as rank 0.
 
@@ -68,6 +69,9 @@ def probe_sharded(
         world_size: the data-parallel ranks the strategy shards over.
         max_batch, min_batch, headroom, on_trial: as in :func:`~autobatch.probe`.
         deepspeed_config: the user's DeepSpeed config, whose bucket sizes are used where set.
+        prior: the predicted peak at any batch that leads the search (see
+            :func:`~autobatch.probing.search.search_max`); called inside this probe's fake process
+            group, so it may trace the sharded step on fake tensors (``find`` does).
 
     Example:
         >>> import torch, autobatch
@@ -104,8 +108,8 @@ def probe_sharded(
             on_trial(done.trial)
         return done.trial
 
-    with fake_process_group(world_size):
-        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+    with fake_process_group(world_size):  # the prior's traces, if any, run on the same group
+        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
     backend.release()
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,

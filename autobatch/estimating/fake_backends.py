@@ -138,15 +138,17 @@ def gpu_attention_backend(capacity: int) -> SimulatedBackend:
     return _GpuAttention(capacity)
 
 
-def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool = True) -> SimulatedBackend | None:
+def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool = True,
+                 log: Any = None) -> SimulatedBackend | None:
     """A backend whose trials run ``model``'s step on fake tensors against ``capacity``; ``None``
     when ``model`` is not built on fake tensors (see :func:`load_fake_model`).
 
     Sharded trials (:func:`autobatch.probe_sharded`) on it cost no memory and the same time at
-    any batch; they decide fit at the step's end from the traced peak.
+    any batch; they decide fit at the step's end from the traced peak. A ``log``
+    (:class:`~autobatch.estimating.replay.AllocationLog`) records every request and free.
     """
     mode = _mode_of(model)
-    return None if mode is None else _FakeBackend(mode, fused_attention, capacity)
+    return None if mode is None else _FakeBackend(mode, fused_attention, capacity, log=log)
 
 
 def _new_fake_mode() -> Any:

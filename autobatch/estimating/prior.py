@@ -2,8 +2,8 @@
 
 A real trial costs seconds to minutes and can run out of memory; a traced one costs the same
 small time at any batch and touches no device. :func:`trace_prior` traces the workload's
-training step (the estimate's :func:`~autobatch.estimating.estimate.trace_trial`) at the smallest
-batch and at 4, 16 and 64, recording each request to the allocator, fits every request's size
+training step (the estimate's :func:`~autobatch.estimating.estimate.trace_trial`) at 2 (or the
+smallest batch, if larger) and at 4, 16 and 64, recording each request to the allocator, fits every request's size
 as a polynomial in the batch and replays the step at any batch (:mod:`~autobatch.estimating.replay`),
 booked as the device books it: through the caching-allocator model for a GPU, so the prior has
 the staircase the device's 2 MiB segments make, batch by batch. Where the traces differ in
@@ -33,7 +33,7 @@ from .estimate import _enable_checkpointing, fake_model, trace_trial
 from .fake_backends import _mode_of, _new_fake_mode
 from .replay import ALLOCATORS, AllocationLog, SizeLaws, fit_log
 
-__all__ = ["trace_prior", "try_trace_prior"]
+__all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
 _FIT = 4    # traces the size laws are fitted through (three) and checked against (one)
@@ -45,7 +45,7 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
 
     The fake copy of the model is made now, while the model is where its owner left it (a probe
     that has lent it to a GPU would otherwise copy GPU tensors). The first call traces the
-    smallest batch and the next three powers of four, recording every request to the allocator
+    batch 2 (or the smallest, if larger) and the next three powers of four, recording every request to the allocator
     (:mod:`~autobatch.estimating.replay`); from then on the step replays at any batch, booked as
     ``allocator`` books it (``"caching"``: the CUDA caching allocator's rounding and segments, a
     staircase; ``"exact"``: tensor bytes). Where the traces differ in shape the prior joins the
@@ -70,7 +70,7 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
         >>> trace_prior(work, allocator="caching")(256) % 512  # whole blocks
         0.0
     """
-    if allocator not in ALLOCATORS:
+    if allocator not in ALLOCATORS:  # before the model is copied
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got allocator={allocator!r}")
     mode = _mode_of(workload.model) or _new_fake_mode()
     with torch.random.fork_rng(devices=[]):  # a factory built in the fake mode may still draw
@@ -80,7 +80,30 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
                 _enable_checkpointing(model)
     model.train()
     first = min_batch if min_batch is not None else min_batch_for(model)
-    grid = [first]
+
+    def trace(batch: int, record: AllocationLog) -> tuple[float, float]:
+        with torch.random.fork_rng(devices=[]):
+            trial = trace_trial(workload, model, batch, fake_mode=mode, log=record)
+        return (float(trial.forward_backward_bytes or trial.reserved_bytes),
+                float(trial.optimizer_bytes or trial.reserved_bytes))
+
+    return replayed_prior(trace, first, allocator=allocator, name=workload.name)
+
+
+def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], first: int, *,
+                   allocator: str = "exact", name: str = "the model") -> Callable[[int], float]:
+    """The prior from any traced step: ``trace(batch, log)`` runs it at ``batch``, recording its
+    requests in ``log``, and returns its two phases' peaks (forward and backward; the optimizer
+    step). :func:`trace_prior` passes a plain step; a sharded probe passes its wrapped one.
+
+    Traces run on the first call (``first``, or 2 if it is one, and the next three powers of four), then the log
+    replays at any batch; where the traces differ in shape, the phases' peaks are joined by lines.
+    """
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got allocator={allocator!r}")
+    # A batch of one often takes other paths (a dimension of one is squeezed, a copy skipped):
+    # fit from two up, and read the replay at one.
+    grid = [max(first, 2)]
     while len(grid) < _FIT + 1:
         grid.append(next(g for g in (_GRID ** k for k in range(1, 64)) if g > grid[-1]))
     peaks: dict[int, tuple[float, float]] = {}
@@ -90,12 +113,8 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
 
     def traced(batch: int) -> tuple[float, float]:
         if batch not in peaks:
-            record = AllocationLog()
-            with torch.random.fork_rng(devices=[]):
-                trial = trace_trial(workload, model, batch, fake_mode=mode, log=record)
-            peaks[batch] = (float(trial.forward_backward_bytes or trial.reserved_bytes),
-                            float(trial.optimizer_bytes or trial.reserved_bytes))
-            logs[batch] = record
+            logs[batch] = AllocationLog()
+            peaks[batch] = trace(batch, logs[batch])
         return peaks[batch]
 
     def laws() -> SizeLaws | None:
@@ -103,12 +122,11 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
             for batch in grid[:_FIT]:
                 traced(batch)
             found = fit_log({b: logs[b] for b in grid[:_FIT]})
-            if found is None:  # the smallest batch may take other paths (a squeezed dimension)
+            if found is None:  # the smallest batch may still take other paths
                 traced(grid[_FIT])
                 found = fit_log({b: logs[b] for b in grid[1:_FIT + 1]})
             if found is None:
-                log.debug("the traces of %s differ in shape between batches; the prior joins them by lines",
-                          workload.name)
+                log.debug("the traces of %s differ in shape between batches; the prior joins them by lines", name)
             fitted.append(found)
         return fitted[0]
 
@@ -156,6 +174,11 @@ def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
         log.debug("no trace prior for %s (%s: %s); the search uses its trials alone",
                   workload.name, type(exc).__name__, exc)
         return None
+    return guarded_prior(prior, workload.name)
+
+
+def guarded_prior(prior: Callable[[int], float], name: str) -> Callable[[int], float]:
+    """``prior`` answering NaN from its first failed trace on, with one debug line, never an error."""
     failed: list[BaseException] = []
 
     def guarded(batch: int) -> float:
@@ -166,7 +189,7 @@ def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
         except Exception as exc:
             failed.append(exc)
             log.debug("the trace of %s failed at batch %d (%s: %s); the search goes on from its trials alone",
-                      workload.name, batch, type(exc).__name__, exc)
+                      name, batch, type(exc).__name__, exc)
             return math.nan
 
     return guarded

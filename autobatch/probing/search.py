@@ -217,6 +217,9 @@ class _Search:
                     back *= _BACK
                 continue
             width = self.upper - self.lo
+            if width == 1:  # one batch left to try: no model to ask (a prior's traces cost seconds)
+                self.attempt(self.lo + 1)
+                continue
             settled = side >= 0 and len(self.totals) > 1
             guess = self.estimate(0 if settled else streak)
             if settled and guess is not None and self.prior is not None:

@@ -7,6 +7,8 @@ caching-allocator model, and show what following the device's staircase saves.
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import logging
 
 import pytest
@@ -115,3 +117,8 @@ def test_on_the_allocators_staircase_the_prior_steps_with_the_device():
     assert search() == (10240, [(1, True), (10240, True), (10241, False)])
     best, alone = search(use_trace_prior=False)
     assert best == 10240 and len(alone) == 20 and alone[-2:] == [(10240, True), (10241, False)]
+
+
+@pytest.mark.parametrize("module", ["autobatch.estimating.replay", "autobatch.estimating.prior", "autobatch.probing.search"])
+def test_docstring_examples_run(module):
+    assert doctest.testmod(importlib.import_module(module)).failed == 0

@@ -103,7 +103,8 @@ def find_command(
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again even when a result for this setup is cached."),
     no_trace_prior: bool = typer.Option(
         False, "--no-trace-prior",
-        help="Search with real trials alone, without the fake-tensor trace of the step leading them (same answer).",
+        help="Search with real trials alone, without the fake-tensor trace of the step leading them (the same max "
+             "batch; the safe batch, predicted between trials, may differ by a few).",
     ),
     deepspeed: DeepSpeedOut = None,
     accelerate: AccelerateOut = None,

@@ -162,7 +162,7 @@ def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
     saves trials.
 
     Example:
-        >>> import torch, autobatch
+        >>> import math, torch, autobatch
         >>> work = autobatch.Workload(torch.nn.Linear(8, 2), lambda b: 1 / 0)  # a batch the trace cannot build
         >>> prior = try_trace_prior(work)
         >>> math.isnan(prior(4))

@@ -42,7 +42,8 @@ def test_find_compares_strategies_one_row_each():
 def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
     ds, acc, hf = tmp_path / "ds.json", tmp_path / "accelerate.yaml", tmp_path / "hf.json"
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
-                 "--strategy", "fsdp2", "--max-batch", "2", "--accelerate", str(acc), "--hf", str(hf))
+                 "--strategy", "fsdp2", "--max-batch", "2", "--accelerate", str(acc), "--hf", str(hf),
+                 "--no-trace-prior")  # the configs are the point here (the trace's lead: test_sharded_probe.py)
     assert res.exit_code == 0, res.output
     assert "FSDP" in acc.read_text() and "fsdp_version: 2" in acc.read_text()
     assert json.loads(hf.read_text())["fsdp"] == "full_shard auto_wrap"

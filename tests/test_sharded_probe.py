@@ -78,7 +78,7 @@ def test_a_model_passed_in_is_bit_identical_and_the_rng_untouched() -> None:
 
 def test_find_answers_for_w_ranks_from_one_cpu() -> None:
     plan = autobatch.find(sharded_jobs.blocks, sharded_jobs.batch, target=64, device="cpu", memory=BUDGET,
-                          gpus_per_node=4, strategy="fsdp2", headroom=0)
+                          gpus_per_node=4, strategy="fsdp2", headroom=0, use_trace_prior=False)
     assert plan.world_size == 4 and plan.micro_batch * plan.grad_accum * 4 == 64
 
 

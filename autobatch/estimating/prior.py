@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ from .replay import ALLOCATORS, AllocationLog, SizeLaws, fit_log
 __all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
-_FIT = 4    # traces the size laws are fitted through (three) and checked against (one)
+_FIT = 4    # traces the size laws are fitted through (three) and checked against (one, once the search goes past them)
 log = logging.getLogger("autobatch.estimating.prior")
 
 
@@ -44,8 +45,9 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
     """The traced peak (bytes) at any batch, for ``search_max(..., prior=...)`` or ``probe(..., prior=...)``.
 
     The fake copy of the model is made now, while the model is where its owner left it (a probe
-    that has lent it to a GPU would otherwise copy GPU tensors). The first call traces the
-    batch 2 (or the smallest, if larger) and the next three powers of four, recording every request to the allocator
+    that has lent it to a GPU would otherwise copy GPU tensors). The first call traces
+    batch 2 (or the smallest, if larger) and the next two powers of four (a third checks the fit
+    once the search asks past them), recording every request to the allocator
     (:mod:`~autobatch.estimating.replay`); from then on the step replays at any batch, booked as
     ``allocator`` books it (``"caching"``: the CUDA caching allocator's rounding and segments, a
     staircase; ``"exact"``: tensor bytes). Where the traces differ in shape the prior joins the
@@ -96,8 +98,9 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
     requests in ``log``, and returns its two phases' peaks (forward and backward; the optimizer
     step). :func:`trace_prior` passes a plain step; a sharded probe passes its wrapped one.
 
-    Traces run on the first call (``first``, or 2 if it is one, and the next three powers of four), then the log
-    replays at any batch; where the traces differ in shape, the phases' peaks are joined by lines.
+    Traces run on the first call (``first``, or 2 if it is one, and the next two powers of four; one
+    more checks the fit once a batch past them is asked), then the log replays at any batch; where
+    the traces differ in shape, the phases' peaks are joined by lines.
     """
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got allocator={allocator!r}")
@@ -109,7 +112,7 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
     peaks: dict[int, tuple[float, float]] = {}
     logs: dict[int, AllocationLog] = {}
     replayed: dict[int, float] = {}
-    fitted: list[SizeLaws | None] = []
+    fitted: dict[str, Any] = {}  # the laws (or None), the largest batch they were fitted at, the batch that checks them
 
     def traced(batch: int) -> tuple[float, float]:
         if batch not in peaks:
@@ -117,22 +120,33 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
             peaks[batch] = trace(batch, logs[batch])
         return peaks[batch]
 
-    def laws() -> SizeLaws | None:
+    def laws(batch: int) -> SizeLaws | None:
         if not fitted:
-            for batch in grid[:_FIT]:
-                traced(batch)
-            found = fit_log({b: logs[b] for b in grid[:_FIT]})
-            if found is None:  # the smallest batch may still take other paths
-                traced(grid[_FIT])
-                found = fit_log({b: logs[b] for b in grid[1:_FIT + 1]})
-            if found is None:
+            for start in (0, 1):  # the smallest batch may still take other paths: then from the next
+                through = grid[start:start + _FIT - 1]
+                for b in through:
+                    traced(b)
+                found = fit_log({b: logs[b] for b in through})
+                if found is not None:
+                    break
+            else:
                 log.debug("the traces of %s differ in shape between batches; the prior joins them by lines", name)
-            fitted.append(found)
-        return fitted[0]
+            fitted.update(laws=found, beyond=through[-1], check=grid[start + _FIT - 1])
+        laws, check = fitted["laws"], fitted["check"]
+        if laws is not None and check is not None and batch > fitted["beyond"]:
+            # Past the traced batches: one more trace checks the laws, byte for byte, before they extrapolate.
+            traced(check)
+            if laws.shape != tuple(logs[check].shape()) or laws.sizes(check) != logs[check].sizes():
+                log.debug("the traces of %s differ in shape or in sizes no polynomial follows; the prior joins them "
+                          "by lines", name)
+                fitted["laws"] = None
+                replayed.clear()
+            fitted["check"] = None
+        return fitted["laws"]
 
     def prior(batch: int) -> float:
         batch = max(first, batch)
-        replay = laws()
+        replay = laws(batch)
         if replay is not None:
             if batch not in replayed:
                 replayed[batch] = float(replay.peak(batch, allocator))

@@ -96,7 +96,8 @@ class SizeLaws:
 def fit_log(logs: dict[int, AllocationLog]) -> SizeLaws | None:
     """The size laws through the three smallest traced batches, checked against every other one.
 
-    ``None`` when the logs differ in shape or a size is no polynomial of degree two in the batch.
+    ``None`` when the logs differ in shape or a size is no polynomial of degree two in the batch
+    (which takes a fourth batch to see).
 
     Example:
         >>> def traced(b):
@@ -105,7 +106,7 @@ def fit_log(logs: dict[int, AllocationLog]) -> SizeLaws | None:
         >>> laws.sizes(1000), laws.peak(1000)
         ([4000000, 64], 4000064)
     """
-    if len(logs) < 4:
+    if len(logs) < 3:
         return None
     batches = sorted(logs)
     shape = logs[batches[0]].shape()

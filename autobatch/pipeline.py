@@ -186,7 +186,7 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     from .distributed.sharded_trial import run_sharded_trial
     from .estimating.estimate import fake_model
     from .estimating.fake_backends import _mode_of, _new_fake_mode, fake_backend
-    from .estimating.prior import guarded_prior, replayed_prior
+    from .estimating.prior import guarded_prior, phase_peaks, replayed_prior
     from .modelinfo import min_batch_for
 
     if strategy.name == "ddp":
@@ -201,9 +201,8 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
 
     def trace(batch: int, record: Any) -> tuple[float, float]:
         backend = fake_backend(template, 1 << 62, log=record)
-        trial = run_sharded_trial(workload, template, strategy, backend, batch, deepspeed_config=deepspeed_config).trial
-        return (float(trial.forward_backward_bytes or trial.reserved_bytes),
-                float(trial.optimizer_bytes or trial.reserved_bytes))
+        return phase_peaks(run_sharded_trial(workload, template, strategy, backend, batch,
+                                             deepspeed_config=deepspeed_config).trial)
 
     return guarded_prior(replayed_prior(trace, first, allocator=allocator, name=workload.name), workload.name)
 

@@ -29,12 +29,13 @@ from typing import Any
 import torch
 
 from ..modelinfo import min_batch_for
+from ..probing.trial import Trial
 from ..probing.workload import Workload
 from .estimate import _enable_checkpointing, fake_model, trace_trial
 from .fake_backends import _mode_of, _new_fake_mode
-from .replay import ALLOCATORS, AllocationLog, SizeLaws, fit_log
+from .replay import AllocationLog, SizeLaws, check_allocator, fit_log
 
-__all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior"]
+__all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "phase_peaks"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
 _FIT = 4    # traces the size laws are fitted through (three) and checked against (one, once the search goes past them)
@@ -72,8 +73,7 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
         >>> trace_prior(work, allocator="caching")(256) % 512  # whole blocks
         0.0
     """
-    if allocator not in ALLOCATORS:  # before the model is copied
-        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got allocator={allocator!r}")
+    check_allocator(allocator)  # before the model is copied
     mode = _mode_of(workload.model) or _new_fake_mode()
     with torch.random.fork_rng(devices=[]):  # a factory built in the fake mode may still draw
         model = fake_model(workload.model, mode)
@@ -85,11 +85,15 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
 
     def trace(batch: int, record: AllocationLog) -> tuple[float, float]:
         with torch.random.fork_rng(devices=[]):
-            trial = trace_trial(workload, model, batch, fake_mode=mode, log=record)
-        return (float(trial.forward_backward_bytes or trial.reserved_bytes),
-                float(trial.optimizer_bytes or trial.reserved_bytes))
+            return phase_peaks(trace_trial(workload, model, batch, fake_mode=mode, log=record))
 
     return replayed_prior(trace, first, allocator=allocator, name=workload.name)
+
+
+def phase_peaks(trial: Trial) -> tuple[float, float]:
+    """A traced trial's peaks, forward and backward then the optimizer step, as a prior's trace returns them."""
+    return (float(trial.forward_backward_bytes or trial.reserved_bytes),
+            float(trial.optimizer_bytes or trial.reserved_bytes))
 
 
 def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], first: int, *,
@@ -102,8 +106,7 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
     more checks the fit once a batch past them is asked), then the log replays at any batch; where
     the traces differ in shape, the phases' peaks are joined by lines.
     """
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got allocator={allocator!r}")
+    check_allocator(allocator)
     # A batch of one often takes other paths (a dimension of one is squeezed, a copy skipped):
     # fit from two up, and read the replay at one.
     grid = [max(first, 2)]

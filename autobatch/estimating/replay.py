@@ -19,12 +19,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..probing.backends.caching_allocator import CachingAllocator
+from ..probing.backends.simulated import ALLOCATORS
 from ..probing.memory_curve import quadratic
 
-__all__ = ["AllocationLog", "SizeLaws", "fit_log", "ALLOCATORS"]
+__all__ = ["AllocationLog", "SizeLaws", "fit_log", "check_allocator", "ALLOCATORS"]
 
-ALLOCATORS = ("exact", "caching")
 _UNLIMITED = 1 << 62
+
+
+def check_allocator(allocator: str) -> None:
+    """``ValueError`` unless ``allocator`` is one the simulated backend books memory as."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got allocator={allocator!r}")
 
 
 class AllocationLog:
@@ -74,8 +80,7 @@ class SizeLaws:
 
     def peak(self, batch: int, allocator: str = "exact") -> int:
         """The step's peak at ``batch``: exact bytes, or what the caching allocator reserves."""
-        if allocator not in ALLOCATORS:
-            raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}, but got {allocator!r}")
+        check_allocator(allocator)
         sizes = self.sizes(batch)
         if allocator == "exact":
             live = peak = 0

@@ -7,6 +7,7 @@ before any activation.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -72,6 +73,7 @@ def test_a_model_passed_in_is_bit_identical_and_the_rng_untouched() -> None:
     torch.manual_seed(123)
     probe_sharded(autobatch.Workload(model, sharded_jobs.batch), SimulatedBackend(BUDGET), "fsdp2", 2, max_batch=2)
     assert torch.equal(torch.rand(3), expected)
+    assert gc.get_freeze_count() == 0  # the collector too: frozen_heap gives the heap back as it was
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
 

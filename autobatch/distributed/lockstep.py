@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for
 from ..probing.backends import DeviceInfo, MemoryBackend
+from ..probing.heap import frozen_heap
 from ..probing.preserve import borrowed_model
 from ..probing.probe import (
     DEFAULT_HEADROOM,
@@ -146,68 +147,70 @@ def probe_distributed(
     if chosen is not None:
         chosen = with_unit(chosen, model)  # the block FSDP wraps, named in the report and the configs
 
-    # Training all-reduces gradient buckets; the trials (under no_sync) never do. The first such
-    # collective sets up NCCL's communicator, whose buffers take memory outside the allocator:
-    # run one now, then read the capacity, so the probe leaves room for them.
-    warm_up(comm, model)
-    backend.remeasure()
-    # The search must see the same capacity everywhere: the smallest one.
-    agreed = torch.tensor([-float(backend.capacity()), float(needed)], dtype=torch.float64, device=comm.device)
-    capacity, min_batch = collective(
-        comm, "agreeing on capacity", lambda: dist.all_reduce(agreed, op=dist.ReduceOp.MAX, async_op=True),
-        lambda: (int(-agreed[0].item()), int(agreed[1].item())))
-    if max_batch is not None and max_batch < min_batch:
-        raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
-    headroom_bytes = resolve_headroom(headroom, capacity)
-    local_trials: list[list[Trial]] = [[] for _ in range(world)]
-    breakdowns: dict[int, Any] = {}
-    configs: dict[int, dict[str, Any]] = {}
+    # Until the search ends, the collections (the capacity's, each trial's) walk only what the probe made.
+    with frozen_heap():
+        # Training all-reduces gradient buckets; the trials (under no_sync) never do. The first such
+        # collective sets up NCCL's communicator, whose buffers take memory outside the allocator:
+        # run one now, then read the capacity, so the probe leaves room for them.
+        warm_up(comm, model)
+        backend.remeasure()
+        # The search must see the same capacity everywhere: the smallest one.
+        agreed = torch.tensor([-float(backend.capacity()), float(needed)], dtype=torch.float64, device=comm.device)
+        capacity, min_batch = collective(
+            comm, "agreeing on capacity", lambda: dist.all_reduce(agreed, op=dist.ReduceOp.MAX, async_op=True),
+            lambda: (int(-agreed[0].item()), int(agreed[1].item())))
+        if max_batch is not None and max_batch < min_batch:
+            raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
+        headroom_bytes = resolve_headroom(headroom, capacity)
+        local_trials: list[list[Trial]] = [[] for _ in range(world)]
+        breakdowns: dict[int, Any] = {}
+        configs: dict[int, dict[str, Any]] = {}
 
-    def run(batch: int, net: torch.nn.Module) -> Trial:
-        mine = failure = None
-        try:
-            if chosen is None:
-                mine = run_trial(workload, net, backend, batch)
-            else:  # a fresh wrapped copy of the (CPU) model per trial, on this process group
-                done = run_sharded_trial(workload, model, chosen, backend, batch, deepspeed_config=deepspeed_config)
-                mine, breakdowns[batch], configs[batch] = done.trial, done.breakdown, done.config
-        except Exception as exc:  # run_trial turned OOM into a trial already
-            failure = exc
-        shared = share_trial(comm, mine)
-        if any(t is None for t in shared):
-            agree_on_errors(comm, failure, f"running the trial at batch {batch}")
-        trials = [replace(t, batch=batch) for t in shared if t is not None]
-        for r, t in enumerate(trials):
-            local_trials[r].append(t)
-        trial = agreed_trial(batch, trials)
-        if on_trial is not None:
-            on_trial(trial)
-        return trial
+        def run(batch: int, net: torch.nn.Module) -> Trial:
+            mine = failure = None
+            try:
+                if chosen is None:
+                    mine = run_trial(workload, net, backend, batch)
+                else:  # a fresh wrapped copy of the (CPU) model per trial, on this process group
+                    done = run_sharded_trial(workload, model, chosen, backend, batch, deepspeed_config=deepspeed_config)
+                    mine, breakdowns[batch], configs[batch] = done.trial, done.breakdown, done.config
+            except Exception as exc:  # run_trial turned OOM into a trial already
+                failure = exc
+            shared = share_trial(comm, mine)
+            if any(t is None for t in shared):
+                agree_on_errors(comm, failure, f"running the trial at batch {batch}")
+            trials = [replace(t, batch=batch) for t in shared if t is not None]
+            for r, t in enumerate(trials):
+                local_trials[r].append(t)
+            trial = agreed_trial(batch, trials)
+            if on_trial is not None:
+                on_trial(trial)
+            return trial
 
-    owned = not isinstance(workload.model, torch.nn.Module)
-    with ExitStack() as stack:
-        # Moving the weights, and DDP's buckets, can run out of memory on one rank while the others
-        # would wait for it in DDP's collectives: agree on that too.
-        net = error = None
-        if chosen is None:  # a sharded trial wraps its own copy; the model stays where it is
-            try:
-                net = stack.enter_context(
-                    borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
-            except Exception as exc:
-                error = weights_error(exc, backend, "the model's weights")
-            agree_on_errors(comm, error, "moving the model to its device")
-        if use_ddp:
-            try:
-                net = stack.enter_context(ddp_for_trials(net, backend))
-            except Exception as exc:  # out of memory for the buckets alone, or one of DDP's checks
-                error = weights_error(exc, backend, "the model's weights and DDP's gradient buckets")
-            agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
-        outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
-                             prior=agreed_prior(comm, prior))
-        net = None  # the wrapper's gradient buckets die with the last reference
+        owned = not isinstance(workload.model, torch.nn.Module)
+        with ExitStack() as stack:
+            # Moving the weights, and DDP's buckets, can run out of memory on one rank while the others
+            # would wait for it in DDP's collectives: agree on that too.
+            net = error = None
+            if chosen is None:  # a sharded trial wraps its own copy; the model stays where it is
+                try:
+                    net = stack.enter_context(
+                        borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+                except Exception as exc:
+                    error = weights_error(exc, backend, "the model's weights")
+                agree_on_errors(comm, error, "moving the model to its device")
+            if use_ddp:
+                try:
+                    net = stack.enter_context(ddp_for_trials(net, backend))
+                except Exception as exc:  # out of memory for the buckets alone, or one of DDP's checks
+                    error = weights_error(exc, backend, "the model's weights and DDP's gradient buckets")
+                agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
+            outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
+                                 prior=agreed_prior(comm, prior))
+            net = None  # the wrapper's gradient buckets die with the last reference
     if owned:
         del model
-    backend.release()
+    backend.release()  # a full collection again: whatever the probe left, the model included
 
     me = (local_rank, socket.gethostname(), backend.info().to_dict())
     everyone: list[Any] = [None] * world

@@ -20,6 +20,7 @@ import torch
 from ..errors import AutobatchError
 from ..modelinfo import min_batch_for
 from ..probing.backends import MemoryBackend
+from ..probing.heap import frozen_heap
 from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, result_from_search
 from ..probing.result import ProbeResult
 from ..probing.search import search_max
@@ -108,7 +109,8 @@ def probe_sharded(
             on_trial(done.trial)
         return done.trial
 
-    with fake_process_group(world_size):  # the prior's traces, if any, run on the same group
+    # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
+    with frozen_heap(), fake_process_group(world_size):
         outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
     backend.release()
     return result_from_search(

@@ -4,7 +4,8 @@
 :mod:`.search` (which batches to try) → :mod:`.probe` (the answer, :class:`ProbeResult`).
 :mod:`.backends` hold the memory contract and its CUDA and simulated implementations;
 :mod:`.oom` recognises out-of-memory errors; :mod:`.preserve` lends the user's model and gives
-it back bit for bit; :mod:`.memtrack` counts tensor storage for the simulated budget.
+it back bit for bit; :mod:`.memtrack` counts tensor storage for the simulated budget; :mod:`.heap`
+keeps the trials' garbage collections to the probe's own objects.
 """
 
 from __future__ import annotations

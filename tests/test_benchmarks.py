@@ -21,6 +21,9 @@ from benchmarks.run import headline, main  # noqa: E402
 from benchmarks.tools import TOOLS, true_max  # noqa: E402
 
 
+pytestmark = pytest.mark.usefixtures("frozen_suite_heap")  # accelerate and Lightning collect garbage per trial
+
+
 @pytest.fixture(autouse=True)
 def quick_accelerate(monkeypatch):
     # From 1024 accelerate needs ~45 trials to reach this case's maximum; from 16, nine.

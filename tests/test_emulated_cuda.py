@@ -19,6 +19,7 @@ from tests.emulated_cuda import EmulatedGpu, emulated, emulated_cuda  # noqa: F4
 from tests.tiny import mlp, mlp_workload
 
 MIB, GIB = 1 << 20, 1 << 30
+pytestmark = pytest.mark.usefixtures("frozen_suite_heap")  # the backend collects garbage per probe
 
 
 class TestEmulatedCudaBackend(BackendContract):

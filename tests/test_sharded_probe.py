@@ -90,10 +90,11 @@ def test_the_sharded_step_traced_on_fake_tensors_leads_the_search() -> None:
     def trials(**options):
         finding = find_plan(sharded_jobs.workload(), backend=SimulatedBackend("600KiB"), strategy="fsdp2",
                             gpus_per_node=4, headroom=0, **options)
-        return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials]
+        led = finding.probe.extra.get("trace_prior", {}).get("traced_batches")  # and the result says so
+        return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials], led
 
-    assert trials() == (18, [(1, True), (18, True), (19, False)])
-    assert trials(use_trace_prior=False) == (18, [(1, True), (3, True), (13, True), (17, True), (19, False), (18, True)])
+    assert trials() == (18, [(1, True), (18, True), (19, False)], [2, 4, 16, 64])
+    assert trials(use_trace_prior=False) == (18, [(1, True), (3, True), (13, True), (17, True), (19, False), (18, True)], None)
 
 
 def test_fsdp_units_are_the_transformer_blocks() -> None:

@@ -41,6 +41,11 @@ def test_find_with_the_trace_takes_fewer_trials_and_gives_the_same_answer():
     assert batches(without) == [(2, True), (10, True), (25, True), (28, True), (29, False)]
     assert with_prior.probe.max_batch == without.probe.max_batch == 28 and exact(with_prior) and exact(without)
     assert with_prior.plan == without.plan
+    # The result says the trace led it, where it traced and what that cost; without one, nothing.
+    said = with_prior.probe.extra["trace_prior"]
+    assert said["traced_batches"] == [2, 4, 16, 64] and said["failure"] is None and said["seconds"] > 0
+    assert "led by the fake-tensor trace (traced at batches 2, 4, 16, 64 in " in str(with_prior.probe)
+    assert "trace_prior" not in without.probe.extra and "trace" not in str(without.probe)
 
 
 def test_the_trace_leaves_the_model_the_rng_and_the_default_dtype_as_they_were():
@@ -76,6 +81,9 @@ def test_a_model_the_trace_cannot_follow_is_searched_from_its_trials_alone(caplo
     alone = find_plan(work, backend=SimulatedBackend("256KiB"), headroom=0, use_trace_prior=False)
     assert batches(led) == batches(alone) and exact(led)
     assert len(caplog.records) == 1 and "trials alone" in caplog.records[0].getMessage()
+    failure = led.probe.extra["trace_prior"]["failure"]  # and the report says so, with the trace's error
+    assert failure.split(":")[0] in caplog.records[0].getMessage()
+    assert f"the trace stopped ({failure}; " in str(led.probe) and "the trials searched on alone" in str(led.probe)
 
 
 def test_a_factory_that_cannot_be_built_on_fake_tensors_gives_no_prior():
@@ -105,6 +113,14 @@ def test_a_factory_whose_modules_copy_their_layers_is_traced():
     assert 0 < prior(1) < prior(16)
 
 
+def test_only_a_prior_that_reports_is_recorded_and_one_never_asked_adds_nothing():
+    curve = lambda b: 100_000 + 4_000 * b
+    assert "trace_prior" not in autobatch.probe(mlp_workload(), SimulatedBackend("4MiB"), prior=curve).extra
+    unasked = try_trace_prior(mlp_workload())
+    result = autobatch.probe(mlp_workload(), SimulatedBackend("4MiB"), min_batch=3, max_batch=3, prior=unasked)
+    assert [t.batch for t in result.trials] == [3] and "trace_prior" not in result.extra  # a bracket of one
+
+
 def test_the_search_drops_a_prior_that_answers_nan_and_stays_exact():
     run = lambda b: Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
     failing = lambda b: 100 + 7 * b if b < 4 else math.nan
@@ -123,6 +139,7 @@ def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path):
     assert [t["batch"] for t in led["trials"]] == [2, 49, 50]
     assert [t["batch"] for t in alone["trials"]] == [2, 9, 33, 49, 50]
     assert led["max_batch"] == alone["max_batch"] == 49
+    assert led["probe"]["trace_prior"]["traced_batches"] == [2, 4, 16, 64] and "trace_prior" not in alone["probe"]
 
 
 def test_find_takes_the_switch():

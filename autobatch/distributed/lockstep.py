@@ -30,6 +30,7 @@ from ..probing.probe import (
     DEFAULT_HEADROOM,
     make_backend,
     phase_points,
+    prior_report,
     resolve_headroom,
     summarise,
     weights_error,
@@ -247,6 +248,6 @@ def probe_distributed(
         safe_peak_measured=summary.safe_peak_measured,
         wrapped="ddp" if use_ddp else None if chosen is None else chosen.label,
         workload=workload.name,
-        extra={} if chosen is None else {"sharding": sharding_report(
-            chosen, world, breakdowns.get(outcome.max_batch), configs.get(outcome.max_batch), simulated=False)},
+        extra={**prior_report(prior), **({} if chosen is None else {"sharding": sharding_report(
+            chosen, world, breakdowns.get(outcome.max_batch), configs.get(outcome.max_batch), simulated=False)})},
     )

@@ -21,7 +21,7 @@ from ..errors import AutobatchError
 from ..modelinfo import min_batch_for
 from ..probing.backends import MemoryBackend
 from ..probing.heap import frozen_heap
-from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, result_from_search
+from ..probing.probe import DEFAULT_HEADROOM, prior_report, resolve_headroom, result_from_search
 from ..probing.result import ProbeResult
 from ..probing.search import search_max
 from ..probing.trial import Trial
@@ -118,5 +118,5 @@ def probe_sharded(
         workload=workload.name, context=f"under {strategy.label} on {world_size} rank(s), ",
         fix="shard more (fsdp2, zero3), use more GPUs, bf16, gradient checkpointing or a shorter sequence",
         extra={"sharding": sharding_report(strategy, world_size, breakdowns.get(outcome.max_batch),
-                                           configs.get(outcome.max_batch))},
+                                           configs.get(outcome.max_batch)), **prior_report(prior)},
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +36,7 @@ from .estimate import _enable_checkpointing, fake_model, trace_trial
 from .fake_backends import _mode_of, _new_fake_mode
 from .replay import AllocationLog, SizeLaws, check_allocator, fit_log
 
-__all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "phase_peaks"]
+__all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "GuardedPrior", "phase_peaks"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
 _FIT = 4    # traces the size laws are fitted through (three) and checked against (one, once the search goes past them)
@@ -166,11 +167,12 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
         t = (batch - low) / (high - low)
         return max(y0 + (y1 - y0) * t for y0, y1 in zip(traced(low), traced(high)))
 
+    prior.traced = peaks  # type: ignore[attr-defined]  # the batches traced so far, for GuardedPrior.report
     return prior
 
 
 def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
-                    allocator: str = "exact") -> Callable[[int], float] | None:
+                    allocator: str = "exact") -> GuardedPrior | None:
     """:func:`trace_prior`, or ``None`` where the model cannot be copied onto fake tensors.
 
     A trace that fails later (at some batch) makes the prior answer NaN from then on, which
@@ -194,19 +196,43 @@ def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
     return guarded_prior(prior, workload.name)
 
 
-def guarded_prior(prior: Callable[[int], float], name: str) -> Callable[[int], float]:
+def guarded_prior(prior: Callable[[int], float], name: str) -> GuardedPrior:
     """``prior`` answering NaN from its first failed trace on, with one debug line, never an error."""
-    failed: list[BaseException] = []
+    return GuardedPrior(prior, name)
 
-    def guarded(batch: int) -> float:
-        if failed:
+
+class GuardedPrior:
+    """A traced prior that answers NaN from its first failed trace on, and keeps what it cost.
+
+    :meth:`report` is what a probe records of it (``extra["trace_prior"]``, printed under the
+    trials): the batches traced, the seconds spent tracing and replaying, and the failure, if
+    the trace could not follow the model.
+    """
+
+    def __init__(self, prior: Callable[[int], float], name: str):
+        self._prior, self.name = prior, name
+        self.seconds = 0.0
+        self.failure: str | None = None
+
+    def __call__(self, batch: int) -> float:
+        if self.failure is not None:
             return math.nan
+        start = time.perf_counter()
         try:
-            return prior(batch)
+            return self._prior(batch)
         except Exception as exc:
-            failed.append(exc)
+            said = str(exc).splitlines()[0][:160] if str(exc) else ""
+            self.failure = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
             log.debug("the trace of %s failed at batch %d (%s: %s); the search goes on from its trials alone",
-                      name, batch, type(exc).__name__, exc)
+                      self.name, batch, type(exc).__name__, exc)
             return math.nan
+        finally:
+            self.seconds += time.perf_counter() - start
 
-    return guarded
+    def report(self) -> dict[str, Any] | None:
+        """``{"traced_batches", "seconds", "failure"}``, or ``None`` when the search never asked."""
+        traced = sorted(getattr(self._prior, "traced", {}))
+        if not traced and self.failure is None:
+            return None
+        return {"traced_batches": traced, "seconds": round(self.seconds, 3), "failure": self.failure}
+

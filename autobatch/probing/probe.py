@@ -21,7 +21,7 @@ from .trial import Trial, run_trial
 from .workload import Workload
 
 __all__ = ["probe", "result_from_search", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
-           "weights_error", "for_data_parallel", "training_trial"]
+           "weights_error", "for_data_parallel", "training_trial", "prior_report"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
@@ -70,6 +70,18 @@ def for_data_parallel(result: ProbeResult, data_parallel: int) -> ProbeResult:
         result, safe_batch=summary.safe_batch, safe_peak_bytes=peak, safe_peak_measured=False,
         extra={**result.extra, "ddp_buckets_bytes": result.gradient_bytes},
     )
+
+
+def prior_report(prior: Callable[[int], float] | None) -> dict[str, Any]:
+    """What a result's ``extra`` records of the prior that led its search: ``{"trace_prior": …}``.
+
+    A prior that can say what it cost (a ``report()`` method, as the traced prior of
+    :func:`autobatch.estimating.prior.try_trace_prior` has: the batches traced, the seconds, a
+    failure) is recorded; no prior, a caller's own curve, or one the search never asked adds nothing.
+    """
+    report = getattr(prior, "report", None)
+    said = report() if callable(report) else None
+    return {"trace_prior": said} if said is not None else {}
 
 
 def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exception:
@@ -240,7 +252,7 @@ def probe(
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
         workload=workload.name, fix="use a shorter sequence, bf16, gradient checkpointing, a smaller model or a larger device",
-        gradient_bytes=gradient_bytes,
+        gradient_bytes=gradient_bytes, extra=prior_report(prior),
     )
 
 

@@ -73,6 +73,17 @@ class BatchResult:
             **self.extra,
         }
 
+    def trace_line(self) -> str | None:
+        """How the fake-tensor trace led the search (``extra["trace_prior"]``), or ``None`` where none did."""
+        said = self.extra.get("trace_prior")
+        if not isinstance(said, dict):
+            return None
+        traced = ", ".join(str(b) for b in said.get("traced_batches", []))
+        cost = f"traced at batches {traced} in {said.get('seconds', 0):.1f} s" if traced else "traced nothing"
+        if said.get("failure"):
+            return f"the trace stopped ({said['failure']}; {cost}): the trials searched on alone"
+        return f"led by the fake-tensor trace ({cost}); the answer rests on the trials"
+
     def memory_line(self) -> str | None:
         if not self.bytes_per_sample:
             return None
@@ -99,6 +110,8 @@ class ProbeResult(BatchResult):
             f"safe batch {self.safe_batch} (peak {format_bytes(self.safe_peak_bytes)}"
             f"{'' if self.safe_peak_measured else ' predicted'}, headroom {format_bytes(self.headroom_bytes)})",
         ]
+        if self.trace_line():
+            lines.insert(2, self.trace_line())
         if self.memory_line():
             lines.append(self.memory_line())
         return "\n".join(lines)

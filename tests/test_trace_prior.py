@@ -142,6 +142,18 @@ def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path):
     assert led["probe"]["trace_prior"]["traced_batches"] == [2, 4, 16, 64] and "trace_prior" not in alone["probe"]
 
 
+def test_a_cached_answer_found_with_the_trace_says_so_when_asked_for_trials_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
+    args = ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "64"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0 and "led by the fake-tensor trace" in first.stdout and "(cached" not in first.stdout
+    again = CliRunner().invoke(app, [*args, "--no-trace-prior"])
+    assert again.exit_code == 0 and "led by the fake-tensor trace" in again.stdout
+    assert "(cached: found with the trace; --no-cache searches again without it)" in again.stdout
+    fresh = CliRunner().invoke(app, [*args, "--no-trace-prior", "--no-cache"])
+    assert "fake-tensor trace" not in fresh.stdout and "(cached" not in fresh.stdout
+
+
 def test_find_takes_the_switch():
     # AdamW's step sets a linear layer's peak at small batches (a flat start): trials alone
     # climb in bounded steps, then bisect; the trace knows where the activations take over.

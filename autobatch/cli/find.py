@@ -303,7 +303,11 @@ def find_command(
 
         out.print(strategy_table([finding]))
     out.print(_trial_table(finding))
-    out.print(str(finding.probe) + (" (cached)" if finding.cached else ""), highlight=False)
+    cached = ""
+    if finding.cached:  # a cached answer says how it was found, even where this run asked otherwise
+        led = no_trace_prior and "trace_prior" in finding.probe.extra
+        cached = " (cached: found with the trace; --no-cache searches again without it)" if led else " (cached)"
+    out.print(str(finding.probe) + cached, highlight=False)
     out.print("plan: " + plan.describe(), highlight=False)
     for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script,
                            strategy=finding.strategy):

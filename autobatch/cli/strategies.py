@@ -91,8 +91,9 @@ def strategy_table(findings: list[Any]) -> Any:
         def size(key: str) -> str:
             return format_bytes(rank[key]) if key in rank else "-"
 
+        capped = " (cap)" if finding.probe.limited_by == "max_batch" else ""  # the cap stopped the search, not memory
         table.add_row(
-            finding.strategy.label, str(sharding.get("world_size", "-")), str(finding.probe.max_batch),
+            finding.strategy.label, str(sharding.get("world_size", "-")), f"{finding.probe.max_batch}{capped}",
             str(finding.probe.safe_batch), size("parameters"), size("gradients"), size("optimizer_state"),
             size("buffers"), size("activations"), size("peak"), finding.strategy.sharded,
         )
@@ -117,7 +118,8 @@ def print_strategy_rows(findings: list[Any], device_line: str, *, as_json: bool)
         if isinstance(f, NoFit):
             out.print(f"{f.strategy.label}: {f.error}", highlight=False, markup=False)
         else:
-            out.print(f"{f.strategy.label}: max batch {f.probe.max_batch} per rank, trials {f.probe.trials_text()}; "
+            out.print(f"{f.strategy.label}: max batch {f.probe.max_batch} per rank (limited by {f.probe.limit_text()}), "
+                      f"trials {f.probe.trials_text()}; "
                       f"plan: {f.plan.describe()}", highlight=False, markup=False)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError
-from .estimating.prior import try_trace_prior
+from .estimating.prior import GuardedPrior, try_trace_prior
 from .planning.plan import Plan
 from .planning.solver import solve
 from .probing.backends import MemoryBackend
@@ -20,7 +20,7 @@ from .probing.trial import Trial
 from .probing.workload import Workload, default_loss
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["Finding", "booked_as", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
+__all__ = ["Finding", "booked_as", "trace_prior_for", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
            "local_gpu_count", "sharded_trace_prior"]
 
 log = logging.getLogger("autobatch.estimating.prior")  # the trace prior's one logger, wherever it is built
@@ -158,7 +158,7 @@ def find_plan(
         cached = False
     else:
         def make_prior() -> Callable[[int], float] | None:
-            return try_trace_prior(workload, min_batch=min_micro, allocator=booked_as(backend)) if use_trace_prior else None
+            return trace_prior_for(workload, backend, min_batch=min_micro) if use_trace_prior else None
 
         result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro,
                                       headroom=headroom, on_trial=on_trial, use_cache=use_cache, root=cache_root,
@@ -207,6 +207,15 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     return guarded_prior(replayed_prior(trace, first, allocator=allocator, name=workload.name), workload.name)
 
 
+def trace_prior_for(workload: Workload, backend: MemoryBackend, *, min_batch: int | None = None) -> GuardedPrior | None:
+    """The fake-tensor trace as the prior of a probe on ``backend``, booked as ``backend`` books memory.
+
+    :func:`~autobatch.estimating.prior.try_trace_prior` with the allocator of :func:`booked_as`:
+    ``None`` where the model cannot be copied onto fake tensors, and the trials alone search.
+    """
+    return try_trace_prior(workload, min_batch=min_batch, allocator=booked_as(backend))
+
+
 def booked_as(backend: MemoryBackend) -> str:
     """How ``backend`` books memory, for the prior to replay the same way: ``"caching"`` on a CUDA
     device or the simulated caching-allocator model (a staircase), else ``"exact"`` tensor bytes."""
@@ -237,7 +246,7 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
     backend = make_backend(device, memory)
     options = dict(options)
     led = options.pop("use_trace_prior", True) and options.get("strategy") is None
-    prior = try_trace_prior(workload, min_batch=options.get("min_batch"), allocator=booked_as(backend)) if led else None
+    prior = trace_prior_for(workload, backend, min_batch=options.get("min_batch")) if led else None
     result = probe_distributed(workload, backend, prior=prior, **options)
     return result.to_probe_result(), str(result)
 

@@ -232,8 +232,7 @@ def find_command(
     if is_launched():
         # Under torchrun / accelerate launch: every rank probes its own device, in lockstep.
         from ..distributed.lockstep import probe_distributed
-        from ..estimating.prior import try_trace_prior
-        from ..pipeline import booked_as
+        from ..pipeline import trace_prior_for
         from .strategies import user_deepspeed_config
 
         env = rank_env()
@@ -243,8 +242,8 @@ def find_command(
             sharded = {} if strategies is None else {"strategy": strategies[0],
                                                      "deepspeed_config": user_deepspeed_config(deepspeed)}
             # The trace leads an unsharded search on every rank, as without a launcher.
-            prior = None if no_trace_prior or strategies is not None else try_trace_prior(
-                workload, min_batch=min_micro, allocator=booked_as(backend))
+            prior = None if no_trace_prior or strategies is not None else trace_prior_for(
+                workload, backend, min_batch=min_micro)
             result = probe_distributed(workload, backend, **options, timeout_s=timeout, prior=prior, **sharded)
         if not is_main_process():
             return  # only rank 0 prints and writes files

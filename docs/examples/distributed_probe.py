@@ -21,8 +21,7 @@ import torch
 from autobatch import SimulatedBackend, Workload
 from autobatch.distributed import is_launched, probe_distributed, process_group, rank_env, spawn_local
 from autobatch.distributed.launch import exit_rank
-from autobatch.estimating.prior import try_trace_prior
-from autobatch.pipeline import booked_as
+from autobatch.pipeline import trace_prior_for
 from autobatch.probing.probe import make_backend
 
 
@@ -52,7 +51,7 @@ def job():
     work = Workload(TinyLM, lambda b: (torch.randint(0, 128, (b, 32)), torch.randint(0, 128, (b, 32))),
                     loss_fn=lm_loss, name="tiny-lm")
     # The fake-tensor trace leads the search, booked as this rank's device books memory.
-    return probe_distributed(work, backend, prior=try_trace_prior(work, allocator=booked_as(backend)))
+    return probe_distributed(work, backend, prior=trace_prior_for(work, backend))
 
 
 def main() -> None:

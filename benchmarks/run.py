@@ -102,8 +102,8 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def headline(summary: dict[str, dict[str, Any]]) -> str:
     """One sentence, quoted by the README."""
     labels = {
-        "autobatch": "autobatch",
-        "autobatch-trace": "autobatch with the trace as prior",
+        "autobatch": "autobatch, trials only",
+        "autobatch-trace": "autobatch find (the trace as prior, the default)",
         "lightning-binsearch": "Lightning binsearch",
         "lightning-power": "Lightning power",
         "accelerate": "accelerate",
@@ -169,7 +169,7 @@ def _markdown(records: list[dict[str, Any]], summary: dict[str, Any], meta: dict
     lines += ["", "## Notes per case", ""] + (notes or ["- none"])
     lines += ["", "Oracle disagreements (a tool's fit/fail verdict differing from the scan's at the same batch):", ""]
     lines += disagreements or ["- none: every verdict of every tool matched the exhaustive scan."]
-    lines += ["", "Where autobatch needed more than 4 trials, the batches it tried (✓ fits, ✗ out of memory):", ""]
+    lines += ["", "Where autobatch, trials only, needed more than 4 trials, the batches it tried (✓ fits, ✗ out of memory):", ""]
     lines += [
         f"- {r['case']} ({t['trials']}): " + ", ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in t["tried"])
         for r in records for name, t in r["tools"].items() if name == "autobatch" and t["trials"] > 4
@@ -193,8 +193,9 @@ METHOD = f"""## Method
   `autobatch.SimulatedBackend(budget)`: live tensor bytes are counted op by op, and the op that
   would exceed the budget raises `torch.OutOfMemoryError("CUDA out of memory. …")`, which
   accelerate's `should_reduce_batch_size` and Lightning's `is_oom_error` both accept.
-- **autobatch**: `autobatch.probe(workload, SimulatedBackend(budget))`, defaults (2 steps per trial).
-- **autobatch-trace**: the same with `prior=autobatch.estimating.trace_prior(workload)`: the
+- **autobatch** (trials only, as `find --no-trace-prior`): `autobatch.probe(workload,
+  SimulatedBackend(budget))`, defaults (2 steps per trial).
+- **autobatch-trace** (`autobatch find`'s default): the same with `prior=autobatch.estimating.trace_prior(workload)`: the
   fake-tensor trace, calibrated against the trials, leads the search; its time is counted.
 - **Lightning** `Tuner.scale_batch_size` in `power` and `binsearch` modes, defaults:
   `steps_per_trial=3`, `init_val=2`, `max_trials=25`, `max_val=8192`, and in binsearch the

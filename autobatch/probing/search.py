@@ -191,23 +191,24 @@ class _Search:
         bisecting = False
         back, scale = None, 0  # a step back from the failure, and the last one that found a fit
         previous = moved = None  # the settled prior's last guess, and how far its guess last moved
-        drop = None  # the batch below the prior's last step under a failure it said fits
-        drops = 0  # failures running that were the prior's steps
+        drop = None  # the next batch to try at one of the prior's steps (see the drop path below)
+        at_step = False  # drop is the step itself, tried once after the batch just below it fit
+        misses_below = 0  # batches just below a step that failed running (at two, the model is asked again)
         while not self.done:
             if drop is not None:
                 batch, drop = self.clamp(drop), None
                 if self.attempt(batch):
                     # Just below the prior's step: the step itself is the likeliest failure.
-                    if drops >= 0 and not self.done:
+                    if not at_step and not self.done:
                         drop = batch + 1
-                    drops = -1  # the step is tried once; a fit there leaves the prior flat above
+                    at_step = True  # the step is tried once; a fit there leaves the prior flat above
                     continue
-                if self.done or drops < 0:
-                    drops = 0
+                if self.done or at_step:
+                    at_step, misses_below = False, 0
                     continue
                 # The step below failed too: the prior is off by more than a step; one more.
-                drops += 1
-                drop = self.step_below(batch) if drops < 2 else None
+                misses_below += 1
+                drop = self.step_below(batch) if misses_below < 2 else None
                 continue
             if back is not None:
                 below = self.hi - back
@@ -242,7 +243,7 @@ class _Search:
             # between apart: the device crossed where the trace sees nothing grow.
             blind = self.prior is not None and self.hi is not None and self.prior(self.lo + 1) == self.prior(self.hi)
             if blind and self.prior(self.lo) != self.prior(self.lo + 1):
-                drop, drops = self.lo + 1, -1  # the prior steps right above the largest fit: try the step
+                drop, at_step = self.lo + 1, True  # the prior steps right above the largest fit: try the step
                 continue
             if blind or stalls >= _STALLS or (side < 0 and streak >= 2):
                 bisecting, stalls, side, streak = True, 0, 0, 0
@@ -267,7 +268,7 @@ class _Search:
                     # A prior that steps (the allocator's rounding) and said this batch fits: the
                     # device crossed the capacity at one of the prior's steps, most likely the
                     # last one at or below it; try the batch just below that step.
-                    drop, drops = self.step_below(batch), 0
+                    drop, at_step, misses_below = self.step_below(batch), False, 0
                     if drop is not None:
                         continue
                 if said_fits and not fits and settled and moved is not None:

@@ -28,7 +28,7 @@ import torch
 from ..errors import AutobatchError
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
-from ..probing.trial import Trial, to_device
+from ..probing.trial import PhasePeaks, Trial, to_device
 from ..probing.workload import Workload, resolve_dtype
 from ..strategy import Strategy
 from .sharding import Wrapped, local_bytes, wrap_model
@@ -110,17 +110,9 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
         wrapped: Wrapped | None = None
         error = config = None
         figures: dict[str, int] = {}
-        peak = {"allocated": 0, "reserved": 0, "forward_backward": 0, "optimizer": 0}
+        peaks = PhasePeaks(backend, phase_by="reserved")  # fit is decided on the reserved peak
         times: list[float] = []
         resident_bytes = None
-
-        def read(phase: str) -> int:
-            now = backend.peak()
-            peak["allocated"] = max(peak["allocated"], now.allocated)
-            peak["reserved"] = max(peak["reserved"], now.reserved)
-            peak[phase] = max(peak[phase], now.reserved)
-            backend.reset_peak()
-            return now.reserved
 
         try:
             with backend.track_deferred(()):
@@ -143,35 +135,35 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
                     figures["optimizer_state"] = max(0, ahead - before - wrapped_bytes)
                     _step(workload, wrapped, batch_size, backend.device)
                     figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
-                    figures["activations"] = max(0, read(phase) - ahead)
+                    figures["activations"] = max(0, peaks.read(phase) - ahead)
                     phase = "optimizer"
                     wrapped.step()
-                    read(phase)
+                    peaks.read(phase)
                     times.append(time.perf_counter() - start)
                 resident_bytes = backend.allocated_bytes()
         except Exception as exc:
             if not is_oom_error(exc):
                 raise
             error = oom_message(exc)
-            read(phase if wrapped is not None else "forward_backward")
+            peaks.read(phase if wrapped is not None else "forward_backward")
         finally:
             if wrapped is not None:
                 wrapped.close()
             wrapped = None
             gc.collect()
         backend.release()
-    if error is None and peak["reserved"] > capacity:
-        error = (f"out of memory at the step's end: peak {peak['reserved']} bytes over the capacity of "
+    if error is None and peaks.reserved > capacity:
+        error = (f"out of memory at the step's end: peak {peaks.reserved} bytes over the capacity of "
                  f"{capacity} bytes")
     fits = error is None
     trial = Trial(
-        batch=batch_size, fits=fits, peak_bytes=peak["allocated"], reserved_bytes=peak["reserved"],
-        forward_backward_bytes=peak["forward_backward"], optimizer_bytes=peak["optimizer"],
+        batch=batch_size, fits=fits, peak_bytes=peaks.allocated, reserved_bytes=peaks.reserved,
+        forward_backward_bytes=peaks.phase["forward_backward"], optimizer_bytes=peaks.phase["optimizer"],
         resident_bytes=resident_bytes if fits else None,
         seconds_per_step=(sorted(times[1:])[len(times[1:]) // 2] if fits and len(times) > 1 else None),
         error=error,
     )
     breakdown = None
     if len(figures) == 5:
-        breakdown = MemoryBreakdown(peak=peak["reserved"], **figures)
+        breakdown = MemoryBreakdown(peak=peaks.reserved, **figures)
     return ShardedTrial(trial, breakdown, config or {})

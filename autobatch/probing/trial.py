@@ -15,7 +15,7 @@ from .backends import MemoryBackend
 from .oom import is_oom_error, oom_message
 from .workload import Workload, make_optimizer, resolve_dtype
 
-__all__ = ["Trial", "run_trial", "forward_backward", "to_device"]
+__all__ = ["Trial", "PhasePeaks", "run_trial", "forward_backward", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -89,20 +89,27 @@ def _drain_autograd(device: torch.device) -> None:
     torch.zeros((), device=device, requires_grad=True).backward()
 
 
-class _Peaks:
-    """Running maxima of the backend's peaks, per phase."""
+class PhasePeaks:
+    """Running maxima of the backend's peaks, overall and per phase (forward and backward; the optimizer step).
 
-    def __init__(self, backend: MemoryBackend):
-        self.backend = backend
+    ``phase_by`` is the figure a phase's peak takes: ``"allocated"`` (a plain trial) or
+    ``"reserved"`` (a sharded one, which decides fit from the reserved peak at the step's end).
+    """
+
+    def __init__(self, backend: MemoryBackend, phase_by: str = "allocated"):
+        self.backend, self.phase_by = backend, phase_by
         self.allocated = self.reserved = 0
         self.phase = {"forward_backward": 0, "optimizer": 0}
 
-    def read(self, phase: str) -> None:
+    def read(self, phase: str) -> int:
+        """Fold in the backend's peak since the last read, as ``phase``'s, reset it, and return it (by ``phase_by``)."""
         peak = self.backend.peak()
         self.allocated = max(self.allocated, peak.allocated)
         self.reserved = max(self.reserved, peak.reserved)
-        self.phase[phase] = max(self.phase[phase], peak.allocated)
+        now = getattr(peak, self.phase_by)
+        self.phase[phase] = max(self.phase[phase], now)
         self.backend.reset_peak()
+        return now
 
 
 def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend, batch_size: int) -> Trial:
@@ -119,7 +126,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
     backend.release()
     retries_before = backend.alloc_retries()
     with backend.track(resident):
-        peaks = _Peaks(backend)
+        peaks = PhasePeaks(backend)
         optimizer = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
         phase = "forward_backward"
         try:

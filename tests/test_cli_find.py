@@ -111,6 +111,9 @@ def test_no_gpu_and_no_device_estimates_for_the_default_gpu():
     out = json.loads(res.stdout)
     assert out["estimated"] is True and out["max_batch"] >= out["safe_batch"] > 0
     assert out["micro_batch"] * out["grad_accum"] * out["world_size"] == 64
+    text = invoke("find", "--model", "tiny-gpt2", "--target", "64")  # the text report says it once, not twice
+    assert text.exit_code == 0 and text.output.count("estimates for a100-80gb") == 1
+    assert invoke("estimate", "--model", "tiny-gpt2").stdout.startswith("note: these are estimates for")  # alone, its own
 
 
 def test_find_as_a_subprocess():

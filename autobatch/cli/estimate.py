@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 
 import typer
@@ -42,7 +43,11 @@ from .options import (
 )
 from .output import console, print_plan, print_written
 
-__all__ = ["estimate_command", "gpus_command", "models_command"]
+__all__ = ["ESTIMATE_NOTED", "estimate_command", "gpus_command", "models_command"]
+
+# `find` with no GPU to probe says itself (on stderr) that it estimates, then runs this command:
+# set while it does, so the note is not printed twice.
+ESTIMATE_NOTED: contextvars.ContextVar[bool] = contextvars.ContextVar("autobatch_estimate_noted", default=False)
 
 
 @command("estimate", examples=[
@@ -161,8 +166,9 @@ def estimate_command(
             data["plan"] = plan.to_dict()
         typer.echo(json.dumps({**data, **written, **({"changes": changes} if changes else {})}, indent=2, ensure_ascii=False))
         return
-    typer.echo(f"note: these are estimates for {spec.name} from a fake-tensor trace (no GPU used); "
-               "probe on the GPU itself for exact figures")
+    if not ESTIMATE_NOTED.get():
+        typer.echo(f"note: these are estimates for {spec.name} from a fake-tensor trace (no GPU used); "
+                   "probe on the GPU itself for exact figures")
     typer.echo(str(result))
     if plan is not None:
         print_plan(plan, label="plan (estimated): ", deepspeed=deepspeed, accelerate=accelerate, script=script)

@@ -168,22 +168,26 @@ def find_command(
             fail("--plot draws the trials of a probe, and with no CUDA GPU here there is none (an estimate runs "
                  "instead); drop --plot, or run find on the GPU machine")
         from ..estimating.gpus import resolve_gpu
-        from .estimate import estimate_command
+        from .estimate import ESTIMATE_NOTED, estimate_command
 
         spec = resolve_gpu(gpu, None if gpu_memory is None else size_value(gpu_memory, "--gpu-memory"))
         typer.echo(f"note: no CUDA GPU here, so these are estimates for {spec.name} "
                    f"({'--gpu-memory' if gpu_memory is not None else '--gpu; default a100-80gb'}) from a fake-tensor "
                    "trace (pick your card with --gpu, see `autobatch gpus`); run find on the GPU machine for exact "
                    "figures", err=True)
-        estimate_command(
-            model=model, gpu=gpu, gpu_memory=gpu_memory, target=target, gpus=gpus or 1, nodes=nodes,
-            model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, evaluation=evaluation,
-            train_seq_len=train_seq_len, input_shape=input_shape,
-            num_classes=num_classes, trust_remote_code=trust_remote_code, dtype=dtype,
-            optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_micro=max_micro,
-            min_micro=min_micro, fragmentation=1.05, workspace="64MiB", deepspeed=deepspeed, accelerate=accelerate,
-            hf=hf, script=script, strategy=strategy, offload=offload, fsdp_unit=fsdp_unit, as_json=as_json,
-        )
+        noted = ESTIMATE_NOTED.set(True)  # said above, on stderr
+        try:
+            estimate_command(
+                model=model, gpu=gpu, gpu_memory=gpu_memory, target=target, gpus=gpus or 1, nodes=nodes,
+                model_parallel=model_parallel, multiple_of=multiple_of, seq_len=seq_len, evaluation=evaluation,
+                train_seq_len=train_seq_len, input_shape=input_shape,
+                num_classes=num_classes, trust_remote_code=trust_remote_code, dtype=dtype,
+                optimizer=optimizer, grad_checkpointing=grad_checkpointing, headroom=headroom, max_micro=max_micro,
+                min_micro=min_micro, fragmentation=1.05, workspace="64MiB", deepspeed=deepspeed, accelerate=accelerate,
+                hf=hf, script=script, strategy=strategy, offload=offload, fsdp_unit=fsdp_unit, as_json=as_json,
+            )
+        finally:
+            ESTIMATE_NOTED.reset(noted)
         return
     if plot is not None:
         from ..tuning.plot import check_plot_path

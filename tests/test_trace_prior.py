@@ -142,16 +142,20 @@ def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path):
     assert led["probe"]["trace_prior"]["traced_batches"] == [2, 4, 16, 64] and "trace_prior" not in alone["probe"]
 
 
-def test_a_cached_answer_found_with_the_trace_says_so_when_asked_for_trials_alone(tmp_path, monkeypatch):
+def test_a_cached_answer_says_how_its_search_went_and_how_to_search_again(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
     args = ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "64"]
     first = CliRunner().invoke(app, args)
-    assert first.exit_code == 0 and "led by the fake-tensor trace" in first.stdout and "(cached" not in first.stdout
+    assert first.exit_code == 0 and "led by the fake-tensor trace" in first.stdout and "cached" not in first.stdout
     again = CliRunner().invoke(app, [*args, "--no-trace-prior"])
     assert again.exit_code == 0 and "led by the fake-tensor trace" in again.stdout
-    assert "(cached: found with the trace; --no-cache searches again without it)" in again.stdout
+    assert ("cached: probed earlier, nothing ran now (the fake-tensor trace led that search); "
+            "--no-cache probes again without the trace") in again.stdout
     fresh = CliRunner().invoke(app, [*args, "--no-trace-prior", "--no-cache"])
-    assert "fake-tensor trace" not in fresh.stdout and "(cached" not in fresh.stdout
+    assert "fake-tensor trace" not in fresh.stdout and "cached" not in fresh.stdout
+    # that trials-only answer, now the cached one, says so to a find that would have traced
+    plain = CliRunner().invoke(app, args)
+    assert "cached: probed earlier, nothing ran now (its trials alone searched); --no-cache probes again\n" in plain.stdout
 
 
 def test_find_takes_the_switch():

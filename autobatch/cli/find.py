@@ -44,6 +44,14 @@ from .options import (
 from .output import console, plan_lines, print_written
 
 
+def _cached_line(probe: Any, no_trace_prior: bool) -> str:
+    """What a cached answer is: probed earlier, nothing ran now, and whether the trace led that search."""
+    led = "trace_prior" in probe.extra
+    how = "the fake-tensor trace led that search" if led else "its trials alone searched"
+    again = " without the trace" if led and no_trace_prior else ""
+    return f"cached: probed earlier, nothing ran now ({how}); --no-cache probes again{again}"
+
+
 def _trial_table(finding: Any) -> Any:
     from rich.table import Table
 
@@ -299,6 +307,8 @@ def find_command(
         return
     out = console()
     out.print(_device_line(finding.probe.device), highlight=False)
+    if finding.cached:  # before the trials it shows: they ran earlier, and how that search went
+        out.print(_cached_line(finding.probe, no_trace_prior), highlight=False, markup=False)
     if finding.ranks_report:
         out.print(finding.ranks_report, highlight=False)
     if finding.strategy is not None:
@@ -306,11 +316,7 @@ def find_command(
 
         out.print(strategy_table([finding]))
     out.print(_trial_table(finding))
-    cached = ""
-    if finding.cached:  # a cached answer says how it was found, even where this run asked otherwise
-        led = no_trace_prior and "trace_prior" in finding.probe.extra
-        cached = " (cached: found with the trace; --no-cache searches again without it)" if led else " (cached)"
-    out.print(str(finding.probe) + cached, highlight=False)
+    out.print(str(finding.probe), highlight=False)
     out.print("plan: " + plan.describe(), highlight=False)
     for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script,
                            strategy=finding.strategy):

@@ -41,12 +41,16 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 def format_bytes(n: int | float | None) -> str:
-    """Binary units with three significant figures: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    """Binary units: two decimals below 100 of a unit, whole numbers from 100 up to 1023.
+
+    ``format_bytes(3 * 2**30) == '3.00 GiB'``, ``format_bytes(1020 * 2**10) == '1020 KiB'``
+    (never ``1.02e+03 KiB``).
+    """
     if n is None:
         return "-"
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}" if abs(n) >= 100 else f"{n:.2f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -36,7 +36,7 @@ def test_find_compares_strategies_one_row_each():
                   "--strategy", "ddp,fsdp2", "--max-batch", "2")
     assert text.exit_code == 0, text.output
     assert "per rank, at the max batch" in text.stdout and "no batch fits" in text.stdout
-    assert "fsdp2: max batch 2 per rank (limited by the max_batch cap)" in text.stdout  # the cap, not memory
+    assert "fsdp2: max batch 2 per rank (limited by the --max-micro / max_batch= cap)" in text.stdout  # the cap, not memory
     assert "2 (cap)" in text.stdout
 
 

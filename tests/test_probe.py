@@ -104,7 +104,7 @@ def test_non_oom_errors_propagate_untouched():
 def test_max_batch_cap_is_reported():
     result = probe(lm_workload(), SimulatedBackend("64MiB"), max_batch=10)
     assert result.max_batch == 10 and result.limited_by == "max_batch"
-    assert "max_batch cap" in str(result)
+    assert "limited by the --max-micro / max_batch= cap" in str(result)
 
 
 def test_nothing_fits_is_one_clear_error():

@@ -101,7 +101,7 @@ class DistributedProbeResult(BatchResult):
     def __str__(self) -> str:
         how = " under DDP" if self.wrapped == "ddp" else f" under {self.wrapped}" if self.wrapped else ""
         if self.limited_by == "max_batch":
-            limit = "the max_batch cap"
+            limit = self.limit_text()
         else:
             limit = "memory on rank " + ", ".join(map(str, self.limiting_ranks))
         lines = [

@@ -50,7 +50,8 @@ class BatchResult:
         return ", ".join(f"{t.batch}{'✓' if t.fits else '✗'}" for t in self.trials)
 
     def limit_text(self) -> str:
-        return "the max_batch cap" if self.limited_by == "max_batch" else "memory"
+        # The cap has two names: max_batch= in Python, --max-micro on the command line.
+        return "the --max-micro / max_batch= cap" if self.limited_by == "max_batch" else "memory"
 
     def _details(self) -> dict[str, Any]:
         """The fields a subclass adds, for :meth:`to_dict`."""

@@ -38,6 +38,10 @@ def test_find_compares_strategies_one_row_each():
     assert "per rank, at the max batch" in text.stdout and "no batch fits" in text.stdout
     assert "fsdp2: max batch 2 per rank (limited by the --max-micro / max_batch= cap)" in text.stdout  # the cap, not memory
     assert "2 (cap)" in text.stdout
+    # where the search had room, the trace led it, and each strategy's line says so
+    led = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "4",
+                 "--strategy", "ddp,fsdp2", "--max-micro", "64")
+    assert led.stdout.count("trials 1✓, 64✓ (led by the fake-tensor trace)") == 2, led.stdout
 
 
 def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):

@@ -118,8 +118,10 @@ def print_strategy_rows(findings: list[Any], device_line: str, *, as_json: bool)
         if isinstance(f, NoFit):
             out.print(f"{f.strategy.label}: {f.error}", highlight=False, markup=False)
         else:
+            traced = f.probe.extra.get("trace_prior") or {}
+            led = " (led by the fake-tensor trace)" if traced and not traced.get("failure") else ""
             out.print(f"{f.strategy.label}: max batch {f.probe.max_batch} per rank (limited by {f.probe.limit_text()}), "
-                      f"trials {f.probe.trials_text()}; "
+                      f"trials {f.probe.trials_text()}{led}; "
                       f"plan: {f.plan.describe()}", highlight=False, markup=False)
 
 

@@ -111,8 +111,9 @@ def find_command(
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again even when a result for this setup is cached."),
     no_trace_prior: bool = typer.Option(
         False, "--no-trace-prior",
-        help="Search with real trials alone, without the fake-tensor trace of the step leading them (the same max "
-             "batch; the safe batch, predicted between trials, may differ by a few).",
+        help="By default a fake-tensor trace of the training step leads the search (fewer trials, the same exact "
+             "max batch). This searches with real trials alone; the safe batch, predicted between trials, may "
+             "differ by a few. A cached answer is shown as it is: add --no-cache to search again.",
     ),
     deepspeed: DeepSpeedOut = None,
     accelerate: AccelerateOut = None,

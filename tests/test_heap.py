@@ -70,3 +70,23 @@ def test_a_process_that_froze_its_own_objects_is_left_as_it_was() -> None:
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_probes_run_their_trials_with_the_heap_frozen_and_give_it_back() -> None:
+    from autobatch import SimulatedBackend, Workload, probe, probe_lengths
+    from autobatch.distributed.simulated_world import probe_sharded
+    from tests import sharded_jobs
+    from tests.tiny import mlp_workload
+
+    frozen: list[bool] = []
+
+    def seen(*_: object) -> None:
+        frozen.append(gc.get_freeze_count() > 0)
+
+    probe(mlp_workload(), SimulatedBackend("2MiB"), on_trial=seen)
+    probe_sharded(sharded_jobs.workload(), SimulatedBackend("320KiB"), "fsdp2", 2, max_batch=2, on_trial=seen)
+    tokens = Workload(torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)),
+                      lambda b, s: torch.randint(0, 64, (b, s)))
+    probe_lengths(tokens, [8, 16], SimulatedBackend("1MiB"), on_trial=seen)
+    assert len(frozen) > 6 and all(frozen)
+    assert gc.get_freeze_count() == 0

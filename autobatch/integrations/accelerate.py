@@ -55,6 +55,7 @@ from ..planning.plan import Plan, require_positive_int
 from ..planning.solver import solve
 from ..probing.backends import CudaBackend, MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
+from ..probing.heap import frozen_heap
 from ..probing.preserve import borrowed_model
 from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
@@ -314,7 +315,8 @@ def _search(
         return trials[-1]
 
     try:
-        return search_max(recorded, capacity, max_batch=cap), finished
+        with frozen_heap():  # each trial's collection on a GPU walks only what the trials made
+            return search_max(recorded, capacity, max_batch=cap), finished
     except _Finished:
         return SearchOutcome(trials[-1].batch, "memory", tuple(trials)), finished
 

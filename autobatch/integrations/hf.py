@@ -34,6 +34,7 @@ from ..errors import AutobatchError
 from ..planning.plan import Plan, require_positive_int
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
+from ..probing.heap import frozen_heap
 from ..probing.preserve import borrowed_model
 from ..probing.probe import DEFAULT_HEADROOM, make_backend
 from ..probing.result import ProbeResult
@@ -121,7 +122,7 @@ def probe_eval_batch(
         return Trial(batch_size, error is None, peak.allocated, peak.reserved, peak.reserved, peak.reserved,
                      resident_bytes=backend.allocated_bytes() if error is None else None, error=error)
 
-    with borrowed_model(model, backend.device) as lent:
+    with frozen_heap(), borrowed_model(model, backend.device) as lent:  # each trial's collection: the probe's objects only
         lent.eval()
         outcome = search_max(run, backend.capacity(), max_batch=max_batch)
     return outcome.max_batch

@@ -12,6 +12,7 @@ from ..errors import AutobatchError
 from ..modelinfo import min_batch_for
 from ..probing.backends import MemoryBackend
 from ..probing.evaluation import run_eval_trial
+from ..probing.heap import frozen_heap
 from ..probing.preserve import borrowed_model
 from ..probing.probe import MemorySummary, training_trial
 from ..probing.result import ProbeResult
@@ -40,8 +41,14 @@ class DeviceLengthRunner:
         self.min_batch = min_batch_for(model) if min_batch is None else min_batch
         self.device_name = backend.info().name
         self._stack = ExitStack()
-        self.model = self._stack.enter_context(
-            borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+        # Each trial's release() collects garbage: with the heap frozen it walks only what the table made.
+        self._stack.enter_context(frozen_heap())
+        try:
+            self.model = self._stack.enter_context(
+                borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+        except BaseException:
+            self._stack.close()  # the heap as it was, before the error goes on
+            raise
 
     def _at(self, seq_len: int) -> Workload:
         make_batch = self.workload.make_batch

@@ -14,6 +14,7 @@ from ..modelinfo import min_batch_for, require_materialized
 from ..units import format_bytes, parse_bytes
 from .backends import CudaBackend, MemoryBackend, SimulatedBackend
 from .oom import is_oom_error
+from .heap import frozen_heap
 from .preserve import borrowed_model, kept_rng
 from .result import ProbeResult
 from .search import SearchOutcome, fit_line, predict_batch, search_max
@@ -235,7 +236,8 @@ def probe(
             on_trial(trial)
         return trial
 
-    with ExitStack() as stack:
+    # Each trial's release() collects garbage: with the heap frozen it walks only what the probe made.
+    with frozen_heap(), ExitStack() as stack:
         try:
             lent = stack.enter_context(
                 borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
@@ -248,7 +250,7 @@ def probe(
         lent = None
     if owned:
         del model, lent
-    backend.release()
+    backend.release()  # a full collection again, the model built here included
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
         workload=workload.name, fix="use a shorter sequence, bf16, gradient checkpointing, a smaller model or a larger device",

@@ -44,13 +44,13 @@ def format_bytes(n: int | float | None) -> str:
     """Binary units: two decimals below 100 of a unit, whole numbers from 100 up to 1023.
 
     ``format_bytes(3 * 2**30) == '3.00 GiB'``, ``format_bytes(1020 * 2**10) == '1020 KiB'``
-    (never ``1.02e+03 KiB``).
+    (never ``1.02e+03 KiB``, nor ``1024 KiB`` for a byte short of ``1.00 MiB``).
     """
     if n is None:
         return "-"
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+        if abs(n) < 1023.5 or unit == "TiB":  # 1023.5 and up would print as 1024: one of the next unit
             return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 100 else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -93,6 +93,7 @@ def test_parse_and_format_bytes():
     assert format_bytes(3 * 1024**3) == "3.00 GiB"
     # from 1000 to 1023 of a unit, a whole number, not '1.02e+03 KiB' (tried as a new user would)
     assert [format_bytes(n * 1024) for n in (99.5, 512, 999.7, 1020)] == ["99.50 KiB", "512 KiB", "1000 KiB", "1020 KiB"]
+    assert format_bytes(2**20 - 1) == "1.00 MiB" and format_bytes(2**20 - 1024) == "1023 KiB"
     with pytest.raises(AutobatchError, match="memory must be a number with an optional unit"):
         parse_bytes("lots")
     with pytest.raises(AutobatchError, match="memory must be positive"):

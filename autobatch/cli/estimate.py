@@ -37,6 +37,7 @@ from .options import (
     StrategyOption,
     TrainSeqLen,
     TrustRemoteCode,
+    check_micro_range,
     headroom_value,
     model_load_options,
     size_value,
@@ -89,9 +90,9 @@ def estimate_command(
 ) -> None:
     """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used.
 
-    The JSON carries "estimated": true. With --strategy: real sharded steps on this machine's CPU
-    as rank 0 of --gpus × --nodes ranks (torch's fake process group), against the GPU's usable
-    memory as a simulated budget."""
+    The JSON carries "estimated": true. With --strategy: the sharded step as rank 0 of --gpus ×
+    --nodes ranks (torch's fake process group) against the GPU's usable memory; FSDP and ZeRO
+    are traced on fake tensors (no memory used), ddp runs real steps on this machine's CPU."""
     import json
 
     from .strategies import strategies_from_options
@@ -107,6 +108,7 @@ def estimate_command(
     if gpu is not None and gpu_memory is not None:
         fail(f"--gpu {gpu} and --gpu-memory {gpu_memory} both name the GPU to estimate for; pass one")
     room = headroom_value(headroom)
+    check_micro_range(min_micro, max_micro)
     workspace_bytes = size_value(workspace, "--workspace")
     memory_bytes = None if gpu_memory is None else size_value(gpu_memory, "--gpu-memory")
     spec = resolve_gpu(gpu, memory_bytes)  # an unknown name fails here, before any model is built

@@ -37,6 +37,7 @@ from .options import (
     StrategyOption,
     TrainSeqLen,
     TrustRemoteCode,
+    check_micro_range,
     headroom_value,
     model_load_options,
     size_value,
@@ -57,13 +58,15 @@ def _trial_table(finding: Any) -> Any:
 
     from ..units import format_bytes
 
-    table = Table(title="trials", title_justify="left")
+    title = "trials (cached: they ran when this was probed)" if finding.cached else "trials"
+    table = Table(title=title, title_justify="left")
     for column in ("batch", "fits", "peak", "reserved", "fwd+bwd", "optimizer", "s/step"):
         table.add_column(column, justify="right")
     for t in finding.probe.trials:
+        never = not t.fits and not t.optimizer_bytes  # out of memory before the optimizer step ran
         table.add_row(
             str(t.batch), "yes" if t.fits else "OOM", format_bytes(t.peak_bytes), format_bytes(t.reserved_bytes),
-            format_bytes(t.forward_backward_bytes), format_bytes(t.optimizer_bytes),
+            format_bytes(t.forward_backward_bytes), "-" if never else format_bytes(t.optimizer_bytes),
             "-" if t.seconds_per_step is None else f"{t.seconds_per_step:.3f}",
         )
     return table
@@ -154,6 +157,7 @@ def find_command(
     from ..probing.probe import make_backend
 
     room = headroom_value(headroom)  # flags are checked before any model is built
+    check_micro_range(min_micro, max_micro)
     if memory is not None:
         size_value(memory, "--memory")
     if gpu is not None and gpu_memory is not None:
@@ -180,10 +184,10 @@ def find_command(
         from .estimate import ESTIMATE_NOTED, estimate_command
 
         spec = resolve_gpu(gpu, None if gpu_memory is None else size_value(gpu_memory, "--gpu-memory"))
-        typer.echo(f"note: no CUDA GPU here, so these are estimates for {spec.name} "
-                   f"({'--gpu-memory' if gpu_memory is not None else '--gpu; default a100-80gb'}) from a fake-tensor "
-                   "trace (pick your card with --gpu, see `autobatch gpus`); run find on the GPU machine for exact "
-                   "figures", err=True)
+        chosen = ("--gpu-memory" if gpu_memory is not None else "--gpu" if gpu is not None
+                  else "the default; pick your card with --gpu, see `autobatch gpus`")
+        typer.echo(f"note: no CUDA GPU here, so these are estimates for {spec.name} ({chosen}) from a fake-tensor "
+                   "trace; run find on the GPU machine for exact figures", err=True)
         noted = ESTIMATE_NOTED.set(True)  # said above, on stderr
         try:
             estimate_command(

@@ -21,7 +21,7 @@ __all__ = [
     "GradCheckpointing", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel", "ModelSpec",
     "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SeqLens", "Evaluation", "TrainSeqLen",
     "SimulatedMemory", "Target", "StrategyOption", "OffloadOption", "FsdpUnitOption",
-    "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
+    "TrustRemoteCode", "check_micro_range", "headroom_value", "size_value", "model_load_options",
 ]
 
 _MODEL = "Model"
@@ -132,9 +132,15 @@ AsJson = Annotated[bool, typer.Option(
 
 
 def size_value(text: str, flag: str) -> int:
-    """A memory size such as ``2GiB``; a bad one is an error that names ``flag``."""
+    """A memory size such as ``2GiB``; a bad one is an error that names ``flag``.
+
+    On the command line a size needs its unit: ``--memory 4`` would be four bytes, which nobody means.
+    """
     from ..units import parse_bytes
 
+    if text.strip().replace(".", "", 1).isdigit():
+        raise AutobatchError(f"{flag} needs a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), but got {text!r}; "
+                             f"write e.g. {text.strip()}GiB")
     try:
         return parse_bytes(text)
     except AutobatchError:
@@ -142,6 +148,13 @@ def size_value(text: str, flag: str) -> int:
             f"{flag} must be a positive size with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), "
             f"but got {text!r}; write e.g. 2GiB"
         ) from None
+
+
+def check_micro_range(min_micro: int | None, max_micro: int | None) -> None:
+    """``--max-micro`` below ``--min-micro`` is one line in the flags' own names, before anything runs."""
+    if min_micro is not None and max_micro is not None and max_micro < min_micro:
+        raise AutobatchError(f"--max-micro ({max_micro}) must be at least --min-micro ({min_micro}); "
+                             "raise --max-micro or lower --min-micro")
 
 
 def headroom_value(text: str) -> float | str:

@@ -25,6 +25,7 @@ from .options import (
     SimulatedMemory,
     Target,
     TrustRemoteCode,
+    check_micro_range,
     headroom_value,
     model_load_options,
     size_value,
@@ -74,6 +75,7 @@ def tune_command(
     from ..tuning.tune import tune
 
     room = headroom_value(headroom)
+    check_micro_range(min_micro, max_micro)
     if memory is not None:
         size_value(memory, "--memory")
     if plot is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -36,6 +37,7 @@ def test_find_compares_strategies_one_row_each():
                   "--strategy", "ddp,fsdp2", "--max-batch", "2")
     assert text.exit_code == 0, text.output
     assert "per rank, at the max batch" in text.stdout and "no batch fits" in text.stdout
+    assert re.search(r"│ ddp\s+│\s+4 │\s+0 │", text.stdout)  # the failed row names its ranks too
     assert "fsdp2: max batch 2 per rank (limited by the --max-micro / max_batch= cap)" in text.stdout  # the cap, not memory
     assert "2 (cap)" in text.stdout
     # where the search had room, the trace led it, and each strategy's line says so

@@ -15,11 +15,11 @@ __all__ = ["strategies_from_options", "user_deepspeed_config", "find_strategies"
 class NoFit:
     """A compared strategy under which not even the smallest batch fits: a row of its own, not the end."""
 
-    def __init__(self, strategy: Strategy, error: Exception):
-        self.strategy, self.error = strategy, error
+    def __init__(self, strategy: Strategy, error: Exception, world_size: int):
+        self.strategy, self.error, self.world_size = strategy, error, world_size
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy.to_dict(), "max_micro": 0, "error": str(self.error)}
+        return {"strategy": self.strategy.to_dict(), "world_size": self.world_size, "max_micro": 0, "error": str(self.error)}
 
 
 def strategies_from_options(strategy: str | None, offload: str | None, fsdp_unit: str | None) -> list[Strategy] | None:
@@ -66,7 +66,9 @@ def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, 
         except NoBatchFitsError as exc:
             if len(strategies) == 1:
                 raise
-            found.append(NoFit(chosen, exc))
+            # the data-parallel ranks the probe answered for, as find_plan counts them
+            world = max(1, (gpus or 1) * planning.get("nodes", 1) // max(1, planning.get("model_parallel", 1)))
+            found.append(NoFit(chosen, exc, world))
     return found
 
 
@@ -82,7 +84,7 @@ def strategy_table(findings: list[Any]) -> Any:
         table.add_column(column, justify="left" if column in ("strategy", "shards") else "right")
     for finding in findings:
         if isinstance(finding, NoFit):
-            table.add_row(finding.strategy.label, "-", "0", "-", "-", "-", "-", "-", "-", "no batch fits",
+            table.add_row(finding.strategy.label, str(finding.world_size), "0", "-", "-", "-", "-", "-", "-", "no batch fits",
                           finding.strategy.sharded)
             continue
         sharding = finding.probe.extra.get("sharding", {})

@@ -212,6 +212,10 @@ def test_every_help_ends_with_examples_and_shows_no_bool_type(name):
      "--max-micro (4) must be at least --min-micro (8); raise --max-micro or lower --min-micro"),
     (["estimate", "--model", "tiny-mlp", "--min-micro", "8", "--max-micro", "4"],
      "--max-micro (4) must be at least --min-micro (8); raise --max-micro or lower --min-micro"),
+    # a library error opens with the flag the user typed, not the Python name
+    (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--dtype", "fp8"],
+     "--dtype must be one of fp32, bf16, fp16, but got 'fp8'"),
+    (["find", "--model", "tiny-mlp", "--device", "gpu"], "--device must be 'cuda', 'cuda:N' or 'cpu', but got 'gpu'"),
     (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--gpu", "t4"],
      "--gpu names a GPU to estimate for, but find probes --device cpu with real steps"),
     (["estimate", "--model", "tiny-mlp", "--gpu", "t4", "--gpu-memory", "40GiB"],

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 from ..errors import AutobatchError
 
-__all__ = ["app", "cache_app", "command", "fail", "COMMAND_ORDER", "RENAMED", "outputs"]
+__all__ = ["app", "cache_app", "command", "fail", "in_flags", "COMMAND_ORDER", "RENAMED", "outputs"]
 
 # The order a user needs them in: probe and plan, plan alone, check, then the rest.
 COMMAND_ORDER = ["find", "solve", "check", "estimate", "tune", "verify-ga", "gpus", "models", "cache"]
@@ -204,9 +204,10 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
                 except AutobatchError as exc:
                     if _state["debug"]:
                         raise
+                    message = in_flags(str(exc))
                     if kw.get("as_json"):
-                        _json_error(str(exc), 2)
-                    typer.echo(f"Error: {exc}", err=True)
+                        _json_error(message, 2)
+                    typer.echo(f"Error: {message}", err=True)
                     raise typer.Exit(2) from None
                 except KeyboardInterrupt:
                     if _state["debug"]:
@@ -219,6 +220,22 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
         return (on or app).command(name, cls=AutobatchCommand, epilog=epilog, **kwargs)(wrapper)
 
     return register
+
+
+# A library error opens with the Python name of what was wrong; on the command line, the flag's.
+_FLAGS = {"strategy": "--strategy", "device": "--device", "dtype": "--dtype", "headroom": "--headroom",
+          "optimizer": "--optimizer", "offload": "--offload"}
+_OPENING = re.compile(rf"^({'|'.join(_FLAGS)}) (must|as a fraction)")
+
+
+def in_flags(message: str) -> str:
+    """``strategy must be one of …`` as ``--strategy must be one of …``: the name the user typed.
+
+    Example:
+        >>> in_flags("dtype must be one of fp32, bf16, fp16, but got 'fp8'")
+        "--dtype must be one of fp32, bf16, fp16, but got 'fp8'"
+    """
+    return _OPENING.sub(lambda m: f"{_FLAGS[m.group(1)]} {m.group(2)}", message)
 
 
 def fail(message: str) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -162,8 +163,9 @@ def test_second_find_is_cached_and_no_cache_probes_again():
     assert second["max_batch"] == first["max_batch"] and second["trials"] == first["trials"]
     assert not json.loads(invoke(*args, "--no-cache").stdout)["cached"]
     text = invoke(*args[:-1]).stdout.splitlines()
-    assert text[1] == ("cached: probed earlier, nothing ran now (the fake-tensor trace led that search); "
-                       "--no-cache probes again")  # a header, above the trials it shows
+    assert re.fullmatch(r"cached: probed at \d{4}-\d\d-\d\d \d\d:\d\d UTC, nothing ran now \(the fake-tensor trace "
+                        r"led that search\); --no-cache probes again", text[1])  # a header, above the trials it shows
+    assert second["probe"]["probed_at"] == first["probe"]["probed_at"]  # when the trials ran, kept with them
 
 
 def test_find_plot_writes_a_png(tmp_path):

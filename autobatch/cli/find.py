@@ -50,7 +50,8 @@ def _cached_line(probe: Any, no_trace_prior: bool) -> str:
     led = "trace_prior" in probe.extra
     how = "the fake-tensor trace led that search" if led else "its trials alone searched"
     again = " without the trace" if led and no_trace_prior else ""
-    return f"cached: probed earlier, nothing ran now ({how}); --no-cache probes again{again}"
+    when = probe.extra.get("probed_at")
+    return f"cached: probed {'at ' + when if when else 'earlier'}, nothing ran now ({how}); --no-cache probes again{again}"
 
 
 def _trial_table(finding: Any) -> Any:

@@ -16,7 +16,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +311,9 @@ def cached_probe(
     prior = make_prior() if make_prior is not None else None
     result = probe(workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom, on_trial=on_trial,
                    prior=prior)
+    # When the trials ran, kept with the result: a later hit says when it was probed.
+    probed_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result = replace(result, extra={**result.extra, "probed_at": probed_at})
     try:
         store(fp, result, root=root)
     except OSError as exc:  # a read-only or full disk must not cost the user the probe they just ran

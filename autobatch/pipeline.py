@@ -20,7 +20,7 @@ from .probing.trial import Trial
 from .probing.workload import Workload, default_loss
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["Finding", "booked_as", "trace_prior_for", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
+__all__ = ["Finding", "booked_as", "data_parallel_ranks", "trace_prior_for", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
            "local_gpu_count", "sharded_trace_prior"]
 
 log = logging.getLogger("autobatch.estimating.prior")  # the trace prior's one logger, wherever it is built
@@ -86,7 +86,7 @@ def plan_from_probe(
     than one data-parallel rank, a probe of one bare device leaves room for DDP's gradient
     buckets first (:func:`~autobatch.probing.probe.for_data_parallel`).
     """
-    result = for_data_parallel(result, gpus_per_node * nodes // max(1, model_parallel))
+    result = for_data_parallel(result, data_parallel_ranks(gpus_per_node, nodes, model_parallel))
     if result.safe_batch < result.min_batch:
         raise AutobatchError(
             f"no batch keeps the headroom ({result.headroom_bytes} bytes): even the smallest batch "
@@ -150,7 +150,7 @@ def find_plan(
     if chosen is not None:
         from .distributed.simulated_world import probe_sharded
 
-        world = max(1, gpus_per_node * nodes // model_parallel)
+        world = data_parallel_ranks(gpus_per_node, nodes, model_parallel)
         prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
                                     deepspeed_config=deepspeed_config) if use_trace_prior else None
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
@@ -164,7 +164,7 @@ def find_plan(
                                       headroom=headroom, on_trial=on_trial, use_cache=use_cache, root=cache_root,
                                       make_prior=make_prior)
         # an unwrapped probe on one device: DDP's buckets are taken off for several ranks
-        result = for_data_parallel(result, gpus_per_node * nodes // max(1, model_parallel))
+        result = for_data_parallel(result, data_parallel_ranks(gpus_per_node, nodes, model_parallel))
     plan = plan_from_probe(result, target=target, gpus_per_node=gpus_per_node, nodes=nodes,
                            model_parallel=model_parallel, multiple_of=multiple_of, base_lr=base_lr,
                            base_batch=base_batch)
@@ -205,6 +205,16 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
                                              deepspeed_config=deepspeed_config).trial)
 
     return guarded_prior(replayed_prior(trace, first, allocator=allocator, name=workload.name), workload.name)
+
+
+def data_parallel_ranks(gpus_per_node: int, nodes: int = 1, model_parallel: int = 1) -> int:
+    """The data-parallel ranks of a job (at least one): its GPUs over the model-parallel degree.
+
+    Example:
+        >>> data_parallel_ranks(8, 2, model_parallel=4)
+        4
+    """
+    return max(1, gpus_per_node * nodes // max(1, model_parallel))
 
 
 def trace_prior_for(workload: Workload, backend: MemoryBackend, *, min_batch: int | None = None) -> GuardedPrior | None:

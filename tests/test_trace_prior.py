@@ -45,6 +45,7 @@ def test_find_with_the_trace_takes_fewer_trials_and_gives_the_same_answer():
     said = with_prior.probe.extra["trace_prior"]
     assert said["traced_batches"] == [2, 4, 16, 64] and said["failure"] is None and said["seconds"] > 0
     assert "led by the fake-tensor trace (traced at batches 2, 4, 16, 64 in " in str(with_prior.probe)
+    assert with_prior.probe.trace_led and not without.probe.trace_led
     assert "trace_prior" not in without.probe.extra and "trace" not in str(without.probe)
 
 
@@ -84,6 +85,7 @@ def test_a_model_the_trace_cannot_follow_is_searched_from_its_trials_alone(caplo
     failure = led.probe.extra["trace_prior"]["failure"]  # and the report says so, with the trace's error
     assert failure.split(":")[0] in caplog.records[0].getMessage()
     assert f"the trace stopped ({failure}; " in str(led.probe) and "the trials searched on alone" in str(led.probe)
+    assert not led.probe.trace_led  # one rule for every report: a trace that stopped did not lead
 
 
 def test_a_factory_that_cannot_be_built_on_fake_tensors_gives_no_prior():

@@ -47,9 +47,8 @@ from .output import console, plan_lines, print_written
 
 def _cached_line(probe: Any, no_trace_prior: bool) -> str:
     """What a cached answer is: probed earlier, nothing ran now, and whether the trace led that search."""
-    led = "trace_prior" in probe.extra
-    how = "the fake-tensor trace led that search" if led else "its trials alone searched"
-    again = " without the trace" if led and no_trace_prior else ""
+    how = "the fake-tensor trace led that search" if probe.trace_led else "its trials alone searched"
+    again = " without the trace" if probe.trace_led and no_trace_prior else ""
     when = probe.extra.get("probed_at")
     return f"cached: probed {'at ' + when if when else 'earlier'}, nothing ran now ({how}); --no-cache probes again{again}"
 

@@ -51,7 +51,7 @@ def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, 
     search with the sharded step traced on fake tensors.
     """
     from ..errors import NoBatchFitsError
-    from ..pipeline import find_plan
+    from ..pipeline import data_parallel_ranks, find_plan
 
     user_config = user_deepspeed_config(deepspeed)
     found: list[Any] = []
@@ -66,9 +66,8 @@ def find_strategies(workload: Any, strategies: list[Strategy], backend: Any, *, 
         except NoBatchFitsError as exc:
             if len(strategies) == 1:
                 raise
-            # the data-parallel ranks the probe answered for, as find_plan counts them
-            world = max(1, (gpus or 1) * planning.get("nodes", 1) // max(1, planning.get("model_parallel", 1)))
-            found.append(NoFit(chosen, exc, world))
+            world = data_parallel_ranks(gpus or 1, planning.get("nodes", 1), planning.get("model_parallel", 1))
+            found.append(NoFit(chosen, exc, world))  # the ranks the probe answered for, as find_plan counts them
     return found
 
 
@@ -120,8 +119,7 @@ def print_strategy_rows(findings: list[Any], device_line: str, *, as_json: bool)
         if isinstance(f, NoFit):
             out.print(f"{f.strategy.label}: {f.error}", highlight=False, markup=False)
         else:
-            traced = f.probe.extra.get("trace_prior") or {}
-            led = " (led by the fake-tensor trace)" if traced and not traced.get("failure") else ""
+            led = " (led by the fake-tensor trace)" if f.probe.trace_led else ""
             out.print(f"{f.strategy.label}: max batch {f.probe.max_batch} per rank (limited by {f.probe.limit_text()}), "
                       f"trials {f.probe.trials_text()}{led}; "
                       f"plan: {f.plan.describe()}", highlight=False, markup=False)

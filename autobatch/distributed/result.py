@@ -113,8 +113,8 @@ class DistributedProbeResult(BatchResult):
             f"of the smallest capacity {format_bytes(self.capacity_bytes)})",
             "rank  host          device                          total      free       others     fits  fails  own max",
         ]
-        if self.trace_line():  # this rank's trace: every rank traced the same batches
-            lines.insert(1, self.trace_line())
+        if (trace := self.trace_line()) is not None:  # this rank's trace: every rank traced the same batches
+            lines.insert(1, trace)
         for r in self.ranks:
             own = f"{r.exact_max} exact" if r.exact_max is not None else (
                 f"~{r.predicted_max} predicted" if r.predicted_max is not None else "unknown")

@@ -74,6 +74,12 @@ class BatchResult:
             **self.extra,
         }
 
+    @property
+    def trace_led(self) -> bool:
+        """Whether the fake-tensor trace led the search to its end (``extra["trace_prior"]``, no failure)."""
+        said = self.extra.get("trace_prior")
+        return isinstance(said, dict) and not said.get("failure")
+
     def trace_line(self) -> str | None:
         """How the fake-tensor trace led the search (``extra["trace_prior"]``), or ``None`` where none did."""
         said = self.extra.get("trace_prior")
@@ -81,7 +87,7 @@ class BatchResult:
             return None
         traced = ", ".join(str(b) for b in said.get("traced_batches", []))
         cost = f"traced at batches {traced} in {said.get('seconds', 0):.1f} s" if traced else "traced nothing"
-        if said.get("failure"):
+        if not self.trace_led:
             return f"the trace stopped ({said['failure']}; {cost}): the trials searched on alone"
         return f"led by the fake-tensor trace ({cost}); the answer rests on the trials"
 
@@ -111,8 +117,8 @@ class ProbeResult(BatchResult):
             f"safe batch {self.safe_batch} (peak {format_bytes(self.safe_peak_bytes)}"
             f"{'' if self.safe_peak_measured else ' predicted'}, headroom {format_bytes(self.headroom_bytes)})",
         ]
-        if self.trace_line():
-            lines.insert(2, self.trace_line())
+        if (trace := self.trace_line()) is not None:
+            lines.insert(2, trace)
         if self.memory_line():
             lines.append(self.memory_line())
         return "\n".join(lines)

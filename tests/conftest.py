@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+
+from autobatch.probing.heap import frozen_heap
 
 
 @pytest.fixture(autouse=True)
@@ -18,14 +18,12 @@ def frozen_suite_heap():
 
     For modules whose code under test calls ``gc.collect()`` on every trial or backend (the CUDA
     backend, accelerate's and Lightning's finders): each full collection would walk every object
-    the whole test process holds, about 0.35 s a call, where a user's process pays for its own
-    heap once per probe. What the module creates is collected as before. autobatch's own
-    ``frozen_heap`` does the same for sharded probes, and steps aside while this one holds.
+    the whole test process holds, about 0.35 s a call. autobatch's own ``frozen_heap`` does this
+    around every probe; here it spans the module, and the probes' own step aside while it holds.
+    What the module creates is collected as before.
     """
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+    with frozen_heap():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

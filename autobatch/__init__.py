@@ -15,6 +15,7 @@ from .checking.accumulation import (
 )
 from .checking.problems import CheckResult, Problem
 from .checking.setup import check_setup
+from .checking.ga_sources import verify_model as verify_ga_model
 from .checking.verify_ga import GAVerification, verify_ga
 from .configs import (
     accelerate_command,
@@ -25,7 +26,18 @@ from .configs import (
     lightning_settings,
     torchrun_command,
 )
-from .distributed.launch import is_launched, process_group, rank_env, spawn_local
+from .answering import (
+    NoFit,
+    Report,
+    Request,
+    answer,
+    cache_listing,
+    check,
+    clear_cache,
+    find,
+    tune_plans,
+)
+from .distributed.launch import exit_rank, is_launched, process_group, rank_env, spawn_local
 from .distributed.lockstep import probe_distributed
 from .distributed.result import DistributedProbeResult
 from .distributed.simulated_world import probe_sharded
@@ -35,15 +47,16 @@ from .errors import (
     MinimumBatchError,
     MissingDependencyError,
     NoBatchFitsError,
+    RequestError,
 )
 from .estimating.estimate import Estimate, estimate
-from .estimating.gpus import GPUS, GpuSpec, lookup_gpu
+from .estimating.gpus import DEFAULT_GPU, GPUS, GpuSpec, lookup_gpu
 from .estimating.overheads import Overheads
 from .estimating.prior import trace_prior
 from .lengths import LengthRow, LengthTable, probe_lengths
-from .models import load_model
+from .models import list_models, load_model
 from .guard import GuardedStep, OOMGuard
-from .pipeline import Finding, find, find_plan
+from .pipeline import Finding, find_plan
 from .planning.plan import LRAdvice, Plan
 from .planning.solver import NoExactPlanError, exact_plans, solve
 from .probing.backends import CudaBackend, DeviceInfo, MemoryBackend, SimulatedBackend
@@ -71,6 +84,16 @@ __all__ = [
     "MissingDependencyError",
     "NoBatchFitsError",
     "NoExactPlanError",
+    "RequestError",
+    # one request, one pipeline, one report: every command of the CLI
+    "Request",
+    "Report",
+    "NoFit",
+    "answer",
+    "check",
+    "tune_plans",
+    "cache_listing",
+    "clear_cache",
     # probing
     "is_oom_error",
     "CudaBackend",
@@ -112,6 +135,7 @@ __all__ = [
     "accelerate_command",
     # end to end
     "load_model",
+    "list_models",
     "Finding",
     "find",
     "find_plan",
@@ -122,10 +146,12 @@ __all__ = [
     "token_cross_entropy",
     "GAVerification",
     "verify_ga",
+    "verify_ga_model",
     "OOMGuard",
     "GuardedStep",
     # every rank
     "is_launched",
+    "exit_rank",
     "process_group",
     "rank_env",
     "spawn_local",
@@ -138,6 +164,7 @@ __all__ = [
     "probe_sharded",
     # without a GPU
     "GPUS",
+    "DEFAULT_GPU",
     "GpuSpec",
     "lookup_gpu",
     "Overheads",

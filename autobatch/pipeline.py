@@ -1,4 +1,4 @@
-"""``find``: probe the largest per-device batch, then solve the plan for a target global batch."""
+"""``find_plan``: probe the largest per-device batch of a workload, then solve the plan for a target global batch."""
 
 from __future__ import annotations
 
@@ -17,21 +17,22 @@ from .planning.solver import solve
 from .probing.backends import MemoryBackend
 from .probing.probe import DEFAULT_HEADROOM, ProbeResult, for_data_parallel, make_backend
 from .probing.trial import Trial
-from .probing.workload import Workload, default_loss
+from .probing.workload import Workload
 from .strategy import Strategy, parse_strategy
 
-__all__ = ["Finding", "booked_as", "data_parallel_ranks", "trace_prior_for", "find", "find_plan", "plan_from_probe", "plan_summary", "probe_worker", "probed_strategy",
-           "local_gpu_count", "sharded_trace_prior"]
+__all__ = ["Finding", "booked_as", "data_parallel_ranks", "trace_prior_for", "find_plan", "plan_from_probe", "plan_summary",
+           "probe_worker", "probed_strategy", "local_gpu_count", "sharded_trace_prior"]
 
 log = logging.getLogger("autobatch.estimating.prior")  # the trace prior's one logger, wherever it is built
 
 
 @dataclass(frozen=True)
 class Finding:
-    """What ``autobatch find`` answers: the probe and the plan built on its safe batch."""
+    """One row of an answer: the probe (or estimate) and the plan built on its safe batch (``None``
+    for an estimate without a target)."""
 
     probe: ProbeResult
-    plan: Plan
+    plan: Plan | None
     cached: bool = False
     ranks_report: str | None = None  # the per-rank table when every rank probed its own device
     strategy: Strategy | None = None  # how the model was wrapped for the trials (None: bare, or DDP under a launcher)
@@ -53,6 +54,7 @@ class Finding:
             "trials": [t.to_dict() for t in self.probe.trials],
             "estimated": False,
             "cached": self.cached,
+            **({"strategy": self.strategy.to_dict()} if self.strategy is not None else {}),
         }
 
     def __str__(self) -> str:
@@ -259,41 +261,3 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
     prior = trace_prior_for(workload, backend, min_batch=options.get("min_batch")) if led else None
     result = probe_distributed(workload, backend, prior=prior, **options)
     return result.to_probe_result(), str(result)
-
-
-def find(
-    model: torch.nn.Module | Callable[[], torch.nn.Module],
-    make_batch: Callable[[int], Any],
-    *,
-    target: int | None = None,
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
-    optimizer: Any = "adamw",
-    dtype: str | torch.dtype | None = None,
-    grad_checkpointing: bool = False,
-    device: str | None = None,
-    memory: int | str | None = None,
-    **options: Any,
-) -> Plan:
-    """The plan for ``target`` from a probe of your model, in one call, before training.
-
-    Args:
-        model: your model (left bit-identical) or a function building it.
-        make_batch: ``make_batch(b)`` returns a batch of ``b`` samples at the worst-case shape.
-        target: the global batch per optimizer step; default the safe batch on every GPU.
-        loss_fn, optimizer, dtype, grad_checkpointing: as in :class:`~autobatch.Workload`.
-        device, memory: ``"cuda"`` (default when available) or ``"cpu"`` with a simulated ``memory``.
-        options: passed to :func:`find_plan` (``gpus_per_node``, ``nodes``, ``headroom``,
-            ``strategy`` — e.g. ``strategy="zero3", gpus_per_node=8`` probes one rank of eight under ZeRO-3 …;
-            ``use_trace_prior=False`` searches without the fake-tensor trace's lead).
-
-    Example:
-        >>> import torch, autobatch
-        >>> model = torch.nn.Linear(64, 10)
-        >>> plan = autobatch.find(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))),
-        ...                       target=96, device="cpu", memory="64KiB", headroom=0)
-        >>> plan.micro_batch * plan.grad_accum * plan.world_size
-        96
-    """
-    workload = Workload(model, make_batch, loss_fn=loss_fn, optimizer=optimizer, dtype=dtype,
-                        grad_checkpointing=grad_checkpointing)
-    return find_plan(workload, target=target, backend=make_backend(device, memory), **options).plan

@@ -32,6 +32,8 @@ ALLOWED = {
     "tuning": FOUNDATION | {"probing", "planning", "models"},
     "pipeline": FOUNDATION | {"probing", "planning", "models", "distributed", "estimating", "configs", "tuning"},
     "lengths": FOUNDATION | {"probing", "planning", "models", "estimating", "configs", "tuning", "pipeline"},
+    "answering": FOUNDATION | {"probing", "planning", "models", "distributed", "estimating", "configs", "checking",
+                               "tuning", "pipeline", "lengths"},
 }
 
 
@@ -137,8 +139,41 @@ def test_every_answer_extends_one_result_base() -> None:
 def test_the_public_api_is_at_the_top_level() -> None:
     import autobatch
 
-    for name in ("find", "probe", "solve", "check_setup", "verify_ga", "estimate", "tune", "search_max",
+    for name in ("Request", "Report", "answer", "check", "tune_plans", "find", "probe", "solve", "check_setup", "verify_ga", "estimate", "tune", "search_max",
                  "Trial", "Plan", "ProbeResult", "Workload", "deepspeed_config", "hf_training_args"):
         assert name in autobatch.__all__ and getattr(autobatch, name) is not None
     assert callable(autobatch.probe) and callable(autobatch.estimate) and callable(autobatch.find)
     assert all(hasattr(autobatch, name) for name in autobatch.__all__)
+
+
+def _library_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """Every ``from autobatch… import names`` in a CLI module: (the module, the names)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level >= 2 or (node.module or "").startswith("autobatch")):
+            if node.level >= 2:
+                module = node.module or ""
+            else:
+                module = (node.module or "").removeprefix("autobatch").lstrip(".")
+            found.append((module, [alias.name for alias in node.names]))
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if part_of(p) == "cli"], ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_cli_uses_only_the_public_api(path: Path) -> None:
+    """The CLI is a thin layer: from the library it takes names in autobatch.__all__, errors and units."""
+    import autobatch
+
+    for module, names in _library_imports(path):
+        if module in ("errors", "units"):
+            continue
+        assert module == "", f"{path.name} imports autobatch.{module}; take the name from autobatch.__all__"
+        assert set(names) <= set(autobatch.__all__), f"{path.name} imports {sorted(set(names) - set(autobatch.__all__))}"
+
+
+def test_no_cli_function_is_over_sixty_lines() -> None:
+    """A command builds a request and prints a report: the deciding belongs in the library."""
+    for path in (p for p in modules() if part_of(p) == "cli"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno + 1 <= 60, f"{path.name}:{node.name} is over 60 lines"

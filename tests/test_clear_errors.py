@@ -161,7 +161,7 @@ def test_ctrl_c_during_the_probe_exits_130_saying_nothing_was_written(monkeypatc
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(importlib.import_module("autobatch.pipeline"), "find_plan", interrupted)
+    monkeypatch.setattr(importlib.import_module("autobatch.answering.answer"), "find_plan", interrupted)
     result = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB",
                     "--deepspeed", str(tmp_path / "ds.json"))
     assert one_line_error(result, 130) == "interrupted; nothing was written"

@@ -92,7 +92,7 @@ def test_hf_config_directory_works_offline(tmp_path):
         (["--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "0"], "--target must be ≥ 1, but got '0'"),
         (["--model", "missing.py:build", "--device", "cpu", "--memory", "2MiB"], "model file 'missing.py' does not exist"),
         (["--model", "tiny-mlp", "--device", "cpu"], "needs a simulated memory budget"),
-        (["--model", "tiny-gpt2", "--seq-len", "4096", "--device", "cpu", "--memory", "2MiB"], "seq_len must be between 1"),
+        (["--model", "tiny-gpt2", "--seq-len", "4096", "--device", "cpu", "--memory", "2MiB"], "--seq-len must be between 1"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(args, message):

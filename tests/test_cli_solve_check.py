@@ -67,8 +67,8 @@ def test_solve_merges_into_an_existing_deepspeed_file_and_writes_accelerate(tmp_
         (["--target", "224", "--max-micro", "0"], "--max-micro must be ≥ 1, but got '0'"),
         (["--target", "224", "--gpus", "3"], "no exact plan: global batch 224 is not divisible"),
         (["--target", "16", "--gpus", "16", "--min-micro", "2"], "no micro batch (≥ 2) divides 1"),
-        (["--target", "224", "--base-lr", "1e-3"], "base_lr and base_batch go together"),
-        (["--target", "224", "--gpus", "6", "--model-parallel", "4"], "model_parallel must divide the GPU count"),
+        (["--target", "224", "--base-lr", "1e-3"], "--base-lr and --base-batch go together"),
+        (["--target", "224", "--gpus", "6", "--model-parallel", "4"], "--model-parallel must divide the GPU count"),
     ],
 )
 def test_solve_bad_input_is_one_line_on_stderr(args, expected):

@@ -17,7 +17,7 @@ app.add_typer(cache_app, name="cache")
 
 
 def main() -> None:
-    from ..distributed.launch import exit_rank, is_launched
+    from .. import exit_rank, is_launched
 
     if not is_launched():
         app(prog_name="autobatch")

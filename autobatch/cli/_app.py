@@ -25,9 +25,10 @@ try:  # typer >= 0.20 carries its own copy of click, whose exceptions it raises
 except ImportError:  # pragma: no cover - older typer uses click itself
     import click
 
-from ..errors import AutobatchError
+from ..errors import AutobatchError, RequestError
+from .options import FLAGS
 
-__all__ = ["app", "cache_app", "command", "fail", "in_flags", "COMMAND_ORDER", "RENAMED", "outputs"]
+__all__ = ["app", "cache_app", "command", "in_flags", "COMMAND_ORDER", "RENAMED", "outputs"]
 
 # The order a user needs them in: probe and plan, plan alone, check, then the rest.
 COMMAND_ORDER = ["find", "solve", "check", "estimate", "tune", "verify-ga", "gpus", "models", "cache"]
@@ -204,7 +205,7 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
                 except AutobatchError as exc:
                     if _state["debug"]:
                         raise
-                    message = in_flags(str(exc))
+                    message = exc.spelt(FLAGS) if isinstance(exc, RequestError) else in_flags(str(exc))
                     if kw.get("as_json"):
                         _json_error(message, 2)
                     typer.echo(f"Error: {message}", err=True)
@@ -222,22 +223,24 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
     return register
 
 
-# A library error opens with the Python name of what was wrong; on the command line, the flag's.
-_FLAGS = {"strategy": "--strategy", "device": "--device", "dtype": "--dtype", "headroom": "--headroom",
-          "optimizer": "--optimizer", "offload": "--offload"}
-_OPENING = re.compile(rf"^({'|'.join(_FLAGS)}) (must|as a fraction)")
+# A library error names options in Python (`max_micro must …`, `got seq_len=4096`, `raise max_micro`);
+# on the command line each is the flag the user typed.
+_NAMES = "|".join(sorted(FLAGS, key=len, reverse=True))
+_OPENING = re.compile(rf"^({_NAMES}) (must|as a fraction)")
+_ASSIGNED = re.compile(rf"(?<![\w.-])({_NAMES})=")
+_SNAKE = re.compile(rf"(?<![\w.-])({'|'.join(name for name in FLAGS if '_' in name)})(?![\w(=-])")
 
 
 def in_flags(message: str) -> str:
-    """``strategy must be one of …`` as ``--strategy must be one of …``: the name the user typed.
+    """``max_micro must be …, but got max_micro=0`` as ``--max-micro must be …, but got --max-micro 0``.
 
     Example:
         >>> in_flags("dtype must be one of fp32, bf16, fp16, but got 'fp8'")
         "--dtype must be one of fp32, bf16, fp16, but got 'fp8'"
+        >>> in_flags("model_parallel must divide the GPU count, but got model_parallel=4 for 6 GPUs")
+        '--model-parallel must divide the GPU count, but got --model-parallel 4 for 6 GPUs'
     """
-    return _OPENING.sub(lambda m: f"{_FLAGS[m.group(1)]} {m.group(2)}", message)
+    message = _OPENING.sub(lambda m: f"{FLAGS[m.group(1)]} {m.group(2)}", message)
+    message = _ASSIGNED.sub(lambda m: f"{FLAGS[m.group(1)]} ", message)
+    return _SNAKE.sub(lambda m: FLAGS[m.group(1)], message)
 
-
-def fail(message: str) -> None:
-    """Stop a command with one line (for checks done in the CLI layer itself)."""
-    raise AutobatchError(message)

@@ -21,8 +21,29 @@ __all__ = [
     "GradCheckpointing", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel", "ModelSpec",
     "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SeqLens", "Evaluation", "TrainSeqLen",
     "SimulatedMemory", "Target", "StrategyOption", "OffloadOption", "FsdpUnitOption",
-    "TrustRemoteCode", "check_micro_range", "headroom_value", "size_value", "model_load_options",
+    "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
+    "FindTarget", "GpusHere", "NoCache", "NoTracePrior", "PlotOut", "Timeout", "Fragmentation", "Workspace",
+    "FLAGS", "parse_seq_lens", "request_from",
 ]
+
+# Each field of autobatch.Request as its flag: errors name the option as the user typed it.
+FLAGS = {
+    "model": "--model", "seq_len": "--seq-len", "train_seq_len": "--train-seq-len", "evaluation": "--eval",
+    "input_shape": "--input-shape", "num_classes": "--num-classes", "trust_remote_code": "--trust-remote-code",
+    "dtype": "--dtype", "optimizer": "--optimizer", "grad_checkpointing": "--grad-checkpointing",
+    "target": "--target", "gpus_per_node": "--gpus", "nodes": "--nodes", "model_parallel": "--model-parallel",
+    "max_micro": "--max-micro", "min_micro": "--min-micro", "multiple_of": "--multiple-of",
+    "base_lr": "--base-lr", "base_batch": "--base-batch", "headroom": "--headroom", "strategy": "--strategy",
+    "offload": "--offload", "fsdp_unit": "--fsdp-unit", "device": "--device", "memory": "--memory",
+    "gpu": "--gpu", "gpu_memory": "--gpu-memory", "fragmentation": "--fragmentation", "workspace": "--workspace",
+    "cache": "--no-cache", "trace_prior": "--no-trace-prior", "timeout": "--timeout", "deepspeed": "--deepspeed",
+    "accelerate": "--accelerate", "hf": "--hf", "plot": "--plot", "keep_auto": "--keep-auto", "script": "--script",
+    # a setup that `check` and `verify-ga` read
+    "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+}
+_RENAMED = {"gpus": "gpus_per_node"}
+_NEGATED = {"no_cache": "cache", "no_trace_prior": "trace_prior"}
+_CLI_ONLY = {"as_json"}
 
 _MODEL = "Model"
 _PLAN = "Plan"
@@ -114,6 +135,31 @@ FsdpUnitOption = Annotated[str | None, typer.Option(
     help="FSDP only: the module class wrapped as one unit.",
 )]
 
+FindTarget = Annotated[int | None, typer.Option(
+    "--target", min=1, rich_help_panel=_PLAN, show_default="the safe batch on every GPU",
+    help="Global batch per optimizer step.",
+)]
+GpusHere = Annotated[int | None, typer.Option(
+    "--gpus", min=1, rich_help_panel=_PLAN, show_default="the GPUs visible here; 1 on CPU",
+    help="GPUs per node (not the total: world size = --gpus × --nodes).",
+)]
+NoCache = Annotated[bool, typer.Option("--no-cache", help="Probe again even when a result for this setup is cached.")]
+NoTracePrior = Annotated[bool, typer.Option(
+    "--no-trace-prior",
+    help="By default a fake-tensor trace of the training step leads the search (fewer trials, the same exact "
+         "max batch). This searches with real trials alone; the safe batch, predicted between trials, may "
+         "differ by a few. A cached answer is shown as it is: add --no-cache to search again.",
+)]
+PlotOut = Annotated[str | None, typer.Option(
+    "--plot", rich_help_panel=_OUT, help="Draw peak memory against batch into this PNG (needs the plot extra).",
+)]
+Timeout = Annotated[float, typer.Option(
+    "--timeout", min=1.0,
+    help="Seconds a rank waits for the others (under a launcher, or one worker per GPU here) before all stop with one error.",
+)]
+Fragmentation = Annotated[float, typer.Option("--fragmentation", help="Allocator reserved/allocated ratio assumed.")]
+Workspace = Annotated[str, typer.Option("--workspace", help="cuBLAS/cuDNN workspaces assumed.")]
+
 DeepSpeedOut = Annotated[str | None, typer.Option(
     "--deepspeed", rich_help_panel=_OUT, help="Write the batch keys into this DeepSpeed JSON (its other keys are kept).",
 )]
@@ -150,13 +196,6 @@ def size_value(text: str, flag: str) -> int:
         ) from None
 
 
-def check_micro_range(min_micro: int | None, max_micro: int | None) -> None:
-    """``--max-micro`` below ``--min-micro`` is one line in the flags' own names, before anything runs."""
-    if min_micro is not None and max_micro is not None and max_micro < min_micro:
-        raise AutobatchError(f"--max-micro ({max_micro}) must be at least --min-micro ({min_micro}); "
-                             "raise --max-micro or lower --min-micro")
-
-
 def headroom_value(text: str) -> float | str:
     """``--headroom`` as the library takes it: a fraction (``0.05``, ``5%``) or a size (``2GiB``)."""
     value = text.strip()
@@ -182,3 +221,43 @@ def model_load_options(seq_len: int | None, input_shape: str | None, num_classes
     """The keyword arguments of :func:`autobatch.models.load_model` from the shared model options."""
     return dict(seq_len=seq_len, input_shape=input_shape, num_classes=num_classes,
                 trust_remote_code=trust_remote_code)
+
+
+def parse_seq_lens(text: str | None) -> tuple[int, ...] | None:
+    """``"256,512,1024"`` → ``(256, 512, 1024)``; ``None`` stays ``None``."""
+    if text is None:
+        return None
+    try:
+        lengths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise AutobatchError(
+            f"--seq-len must be one positive integer or several separated by commas, but got {text!r}; "
+            "write e.g. --seq-len 1024 or --seq-len 256,512,1024,2048"
+        )
+    return tuple(dict.fromkeys(lengths))
+
+
+def request_from(params: dict[str, Any], **fixed: Any) -> Any:
+    """The :class:`autobatch.Request` a command's flags make: ``params`` are its parameters by name.
+
+    Sizes need their unit and ``--headroom`` reads as a fraction or a size, as everywhere on the
+    command line; ``--no-cache``/``--no-trace-prior`` turn the request's ``cache``/``trace_prior`` off.
+    """
+    from .. import Request
+
+    kwargs: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in _NEGATED:
+            kwargs[_NEGATED[name]] = not value
+        elif name not in _CLI_ONLY:
+            kwargs[_RENAMED.get(name, name)] = value
+    for name in ("memory", "gpu_memory", "workspace"):
+        if kwargs.get(name) is not None:
+            size_value(kwargs[name], FLAGS[name])
+    if "headroom" in kwargs:
+        kwargs["headroom"] = headroom_value(kwargs["headroom"])
+    if isinstance(kwargs.get("seq_len"), str):
+        kwargs["seq_len"] = parse_seq_lens(kwargs["seq_len"])
+    return Request(**{**kwargs, **fixed})

@@ -32,7 +32,7 @@ def console(stderr: bool = False) -> Any:
 def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | None = None,
                script: str = "train.py", strategy: Any = None) -> list[str]:
     """The HF, Lightning, torchrun (and accelerate) lines that run ``plan``, one per framework."""
-    from ..configs import accelerate_command, hf_flags, lightning_settings, torchrun_command
+    from .. import accelerate_command, hf_flags, lightning_settings, torchrun_command
 
     lightning = lightning_settings(plan)
     trainer = ", ".join(f"{k}={v}" for k, v in lightning["trainer"].items())

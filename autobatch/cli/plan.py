@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ._app import command, fail, outputs
+from ._app import command, outputs
 from .options import (
     AccelerateOut,
     AsJson,
@@ -24,7 +24,8 @@ from .options import (
     Target,
     TrustRemoteCode,
 )
-from .output import print_plan, print_written
+from .options import request_from
+from .render import print_report
 
 # --gpus is GPUs per node in both commands (the world size is --gpus × --nodes).
 
@@ -66,32 +67,10 @@ def solve_command(
     Without --max-micro any per-GPU batch is allowed; `autobatch find` measures it. With
     --strategy the configs train that way (DeepSpeed stage and offload, accelerate's FSDP or
     DeepSpeed plugin, HF fsdp/deepspeed); probe it with `find --strategy` for the micro batch."""
-    import json
+    request = request_from(locals())  # first: the flags alone
+    from .. import answer
 
-    from ..configs import write_plan_configs
-    from ..planning.solver import solve
-    from .strategies import strategies_from_options
-
-    strategies = strategies_from_options(strategy, offload, fsdp_unit)
-    if strategies is not None and len(strategies) > 1:
-        fail(f"solve writes configs for one strategy, but --strategy names {len(strategies)}; pass one")
-    chosen = None if strategies is None else strategies[0]
-
-    plan = solve(
-        target, gpus, nodes, max_micro, min_micro=min_micro, multiple_of=multiple_of,
-        model_parallel=model_parallel, base_lr=base_lr, base_batch=base_batch,
-    )
-    changes: list[str] = []
-    written = write_plan_configs(plan, deepspeed=deepspeed, accelerate=accelerate, hf=hf, keep_auto=keep_auto,
-                                 written=outputs(), changes=changes, strategy=chosen)
-    if as_json:
-        typer.echo(json.dumps({**plan.to_dict(), **written, **({"changes": changes} if changes else {})},
-                              indent=2, ensure_ascii=False))
-        return
-    print_plan(plan, deepspeed=deepspeed, accelerate=accelerate, script=script, strategy=chosen)
-    print_written(written)
-    for line in changes:
-        typer.echo(f"updated {line}")
+    print_report(answer(request, written=outputs()), as_json=as_json)
 
 
 @command("check", examples=[
@@ -134,29 +113,11 @@ def check_command(
     micro batch was never probed at that length (from the probes `find` cached for the model)."""
     import json
 
-    from ..checking.setup import check_setup
+    from .. import check
 
-    if strategy is not None:  # a misspelt name is a usage error, before anything is read
-        from .strategies import strategies_from_options
-
-        strategies_from_options(strategy, None, None)
-    module = None
-    if model is not None:
-        from ..models import load_layers
-
-        module = load_layers(model, trust_remote_code=trust_remote_code)
-    probed = None
-    if seq_len is not None:
-        if module is None:
-            fail("--seq-len on check compares with the cached probes of a model, which needs --model; add --model")
-        from ..tuning.probed import probed_lengths
-
-        probed = probed_lengths(module)
-    result = check_setup(
-        target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
-        model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
-        model=module, seq_len=seq_len, probed=probed, probed_strategy=strategy,
-    )
+    result = check(target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
+                   model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
+                   model=model, seq_len=seq_len, trust_remote_code=trust_remote_code, strategy=strategy)
     typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:
         raise typer.Exit(1)

@@ -25,10 +25,7 @@ from .options import (
     SimulatedMemory,
     Target,
     TrustRemoteCode,
-    check_micro_range,
-    headroom_value,
-    model_load_options,
-    size_value,
+    request_from,
 )
 
 __all__ = ["tune_command", "cache_list_command", "cache_clear_command"]
@@ -68,43 +65,25 @@ def tune_command(
     as_json: AsJson = False,
 ) -> None:
     """Time the exact plans for --target (micro × GA × checkpointing) and keep the fastest."""
+    request = request_from({k: v for k, v in locals().items() if k not in ("trials", "timed_steps", "seed")},
+                           grad_checkpointing=False, estimate=False)  # first: the flags alone
     import json
 
-    from ..models import load_model
-    from ..probing.probe import make_backend
-    from ..tuning.tune import tune
-
-    room = headroom_value(headroom)
-    check_micro_range(min_micro, max_micro)
-    if memory is not None:
-        size_value(memory, "--memory")
-    if plot is not None:
-        from ..tuning.plot import check_plot_path
-
-        check_plot_path(plot)  # before the probes and timings, not after
-    backend = make_backend(device or ("cpu" if memory is not None else None), memory)
-    source = load_model(model, **model_load_options(seq_len, input_shape, num_classes, trust_remote_code))
-    workload = source.to_workload(optimizer=optimizer, dtype=dtype)
+    from .. import tune_plans
 
     def progress(m: Any) -> None:
         rate = "-" if m.samples_per_second is None else f"{m.samples_per_second:,.1f} samples/s"
         typer.echo(f"trial {m.trial_number}: {m.candidate.label}: {rate} ({m.state.lower()})", err=True)
 
-    result = tune(workload, target, backend, n_trials=trials, gpus_per_node=gpus, nodes=nodes,
-                  timed_steps=timed_steps, checkpointing=None if grad_checkpointing is None else [grad_checkpointing],
-                  headroom=room, max_batch=max_micro, min_micro=min_micro, multiple_of=multiple_of, seed=seed,
-                  use_cache=not no_cache, on_trial=progress)
-    if plot is not None:
-        from ..tuning.plot import plot_tune
-
-        plot_tune(result, plot)
+    result = tune_plans(request, trials=trials, timed_steps=timed_steps, seed=seed, on_trial=progress,
+                        checkpointing=None if grad_checkpointing is None else [grad_checkpointing])
     if as_json:
-        typer.echo(json.dumps({**result.to_dict(), **({"plot": plot} if plot else {})}, indent=2, ensure_ascii=False))
+        typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
         return
     typer.echo(str(result))
     typer.echo("plan: " + result.best.candidate.plan.describe())
-    if plot is not None:
-        typer.echo(f"wrote {plot} (plot)")
+    if result.plot is not None:
+        typer.echo(f"wrote {result.plot} (plot)")
 
 
 @command("list", on=cache_app, examples=["autobatch cache list --json"])
@@ -112,30 +91,16 @@ def cache_list_command(as_json: AsJson = False) -> None:
     """List cached probe results, newest first, and the tuning studies."""
     import json
 
-    from ..tuning.cache import cache_dir, list_entries
-    from ..tuning.tune import list_studies
+    from .. import cache_listing
 
-    entries = list_entries()
-    studies = list_studies()
-    if as_json:
-        typer.echo(json.dumps({
-            "cache_dir": str(cache_dir()),
-            "entries": [{**e.__dict__, "path": str(e.path)} for e in entries],
-            "studies": studies,
-        }, indent=2))
-        return
-    typer.echo(f"cache: {cache_dir()}")
-    typer.echo(f"{len(entries)} cached probe{'s' if len(entries) != 1 else ''}")
-    for entry in entries:
-        typer.echo(f"  {entry}")
-    for study in studies:
-        typer.echo(f"  study {study['name']}: {study['trials']} trials")
+    listing = cache_listing()
+    typer.echo(json.dumps(listing.to_dict(), indent=2) if as_json else "\n".join(listing.lines()))
 
 
 @command("clear", on=cache_app, examples=["autobatch cache clear"])
 def cache_clear_command() -> None:
     """Delete every cached probe result and the tuning studies."""
-    from ..tuning.cache import cache_dir, clear
+    from .. import clear_cache
 
-    removed = clear()
-    typer.echo(f"removed {removed} file{'s' if removed != 1 else ''} from {cache_dir()}")
+    removed, folder = clear_cache()
+    typer.echo(f"removed {removed} file{'s' if removed != 1 else ''} from {folder}")

@@ -37,7 +37,7 @@ def verify_ga_command(
     """Does micro-batch × GA (× ranks) give the big batch's gradient? Exit 0 PASS, 1 FAIL, 3 FLAGGED."""
     import json
 
-    from ..checking.ga_sources import verify_model
+    from .. import verify_ga_model as verify_model
 
     result = verify_model(
         model, micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus * nodes,

@@ -66,6 +66,7 @@ class TuneResult:
     storage: str
     target: int
     probes: dict[bool, ProbeResult] = field(default_factory=dict, compare=False)
+    plot: str | None = None  # the PNG drawn of this study, when one was asked for
 
     @property
     def speedup(self) -> float:
@@ -82,6 +83,7 @@ class TuneResult:
             "candidates": [c.label for c in self.candidates],
             "measurements": [m.to_dict() for m in self.measurements],
             "max_micro": {("on" if gc else "off"): p.safe_batch for gc, p in self.probes.items()},
+            **({"plot": self.plot} if self.plot else {}),
         }
 
     def __str__(self) -> str:

@@ -1,0 +1,247 @@
+"""``answer``: the one pipeline from a :class:`~autobatch.Request` to a :class:`~autobatch.Report`.
+
+Every decision lives here: plan alone, estimate or probe; under a launcher, one worker per GPU,
+or one process; one row, a row per strategy, or a row per length. Then the plan is solved and
+the configs are written. ``find`` is its short form for a model in hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..configs import write_plan_configs
+from ..pipeline import Finding, find_plan, local_gpu_count, plan_from_probe, probe_worker, probed_strategy, trace_prior_for
+from ..planning.plan import Plan
+from ..planning.solver import solve
+from ..probing.probe import make_backend
+from ..probing.workload import default_loss
+from .report import Report
+from .request import Request
+from .rows import estimate_strategy_rows, length_table, strategy_rows, user_deepspeed_config, workload_of
+
+__all__ = ["answer", "find"]
+
+Note = Callable[[str], None]
+
+
+def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, on_note: Note | None = None,
+           written: dict[str, str] | None = None) -> Report:
+    """Answer ``request``: probe or estimate its rows, solve the plan, write the configs it names.
+
+    Args:
+        request: what to answer; it was checked whole when it was built.
+        on_trial: called with each trial as it ends (one probe at a time), for progress.
+        on_note: called with each note as it is said (an estimate instead of a probe, a strategy
+            that runs real steps), before the work it announces; the notes are in the report too.
+        written: filled with ``{kind: path}`` as each file is written, so that a caller
+            interrupted half-way knows what is already on disk.
+
+    Example:
+        >>> import autobatch, torch
+        >>> request = autobatch.Request(model=torch.nn.Linear(64, 10), target=96, device="cpu", memory="64KiB",
+        ...     make_batch=lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), headroom=0)
+        >>> report = autobatch.answer(request)
+        >>> report.plan.micro_batch * report.plan.grad_accum * report.plan.world_size
+        96
+    """
+    notes: list[str] = []
+
+    def note(text: str) -> None:
+        notes.append(text)
+        if on_note is not None:
+            on_note(text)
+
+    if request.mode == "solve":
+        strategies = request.strategies
+        plan = solve(request.target, request.gpus_here(), request.nodes, request.max_micro,
+                     min_micro=request.min_micro or 1, multiple_of=request.multiple_of,
+                     model_parallel=request.model_parallel, base_lr=request.base_lr, base_batch=request.base_batch)
+        return _written(Report(request, plan), strategy=None if strategies is None else strategies[0], into=written)
+    if request.mode == "estimate":
+        report = _estimate(request, note)
+    else:
+        report = _probe(request, note, on_trial)
+    if not report.main_rank:
+        return report
+    finding = report.finding
+    return _written(report, strategy=None if finding is None else finding.strategy,
+                    probed_zero=None if finding is None else finding.probed_zero, into=written, notes=notes)
+
+
+def _written(report: Report, *, strategy: Any = None, probed_zero: Any = None, into: dict[str, str] | None,
+             notes: list[str] | None = None) -> Report:
+    """The report with the configs (and the plot) its request names written, and what merging changed."""
+    from dataclasses import replace
+
+    request, plan = report.request, report.plan
+    written = {} if into is None else into
+    changes: list[str] = []
+    if plan is not None and len(report.rows) <= 1:
+        write_plan_configs(plan, **request.outputs(), keep_auto=request.keep_auto, written=written, changes=changes,
+                           strategy=strategy, probed_zero=probed_zero, eval_batch=report.eval_batch)
+    if request.plot is not None and report.finding is not None:
+        from ..tuning.plot import plot_probe
+
+        plot_probe(report.finding.probe, request.plot, chosen=plan.micro_batch)
+        written["plot"] = str(request.plot)
+    return replace(report, written=dict(written), changes=tuple(changes), notes=tuple(notes or report.notes))
+
+
+def _estimate(request: Request, note: Note) -> Report:
+    """No GPU to probe, or a named one: the same steps traced on fake tensors for ``request``'s GPU."""
+    from ..estimating.estimate import estimate, load_fake_model
+    from ..estimating.gpus import resolve_gpu
+    from ..estimating.overheads import Overheads
+    from ..units import parse_bytes
+
+    spec = resolve_gpu(request.gpu, request.gpu_memory)
+    if not request.estimate:
+        chosen = ("--gpu-memory" if request.gpu_memory is not None else "--gpu" if request.gpu is not None
+                  else "the default; pick your card with --gpu, see `autobatch gpus`")
+        note(f"no CUDA GPU here, so these are estimates for {spec.name} ({chosen}) from a fake-tensor trace; "
+             "run find on the GPU machine for exact figures")
+    gpus = request.gpus_here()
+    if request.strategies is not None:
+        rows, ways = estimate_strategy_rows(request, spec, note)
+        plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
+        return Report(request, plan, rows=tuple(rows), gpu=spec, ways=ways)
+    overheads = Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace))
+    if request.table:
+        table, _ = length_table(request, None, {"gpu": spec, "overheads": overheads})
+        plan = table.plan(gpus_per_node=gpus, **request.planning())
+        return Report(request, plan, lengths=table, gpu=spec)
+    if isinstance(request.model, str):
+        seq_len = request.lengths[0] if request.lengths else None
+        workload = load_fake_model(request.model, **request.load_options(seq_len)).to_workload(**request.settings())
+    else:
+        workload = workload_of(request)
+    result = estimate(workload, spec, overheads=overheads, headroom=request.headroom, max_batch=request.max_micro,
+                      min_batch=request.min_micro, data_parallel=gpus * request.nodes // max(1, request.model_parallel))
+    plan = None
+    if request.target is not None:
+        plan = solve(request.target, gpus, request.nodes, result.safe_batch, min_micro=result.min_batch,
+                     multiple_of=request.multiple_of, model_parallel=request.model_parallel,
+                     base_lr=request.base_lr, base_batch=request.base_batch)
+    return Report(request, plan, rows=(Finding(result, plan),), gpu=spec)
+
+
+def _probe(request: Request, note: Note, on_trial: Callable[[Any], None] | None) -> Report:
+    """Real steps: every rank under a launcher, one worker per GPU, or this process's device."""
+    if request.launched:
+        return _launched(request)
+    strategies = request.strategies
+    gpu_count = local_gpu_count()
+    if (strategies is None and not request.table and isinstance(request.model, str) and request.device is None
+            and request.memory is None and gpu_count > 1):
+        from ..distributed.launch import spawn_local
+
+        note(f"probing {gpu_count} GPUs, one worker each…")
+        worker = {"max_batch": request.max_micro, "min_batch": request.min_micro, "headroom": request.headroom,
+                  "timeout_s": request.timeout, "use_trace_prior": request.trace_prior}
+        agreed, ranks = spawn_local(probe_worker, (request.model, request.load_options(_one_length(request)),
+                                                   request.settings(), worker), timeout_s=request.timeout)
+        plan = plan_from_probe(agreed, gpus_per_node=request.gpus_per_node or gpu_count, **request.planning())
+        return Report(request, plan, rows=(Finding(agreed, plan, ranks_report=ranks),))
+    backend = make_backend(request.device or ("cpu" if request.memory is not None else None), request.memory)
+    if request.table:
+        table, workload = length_table(request, backend, None)
+        if request.cache:
+            from ..tuning.probed import store_rows
+
+            store_rows(table, workload, backend, dict(max_batch=request.max_micro, min_batch=request.min_micro,
+                                                      headroom=request.headroom))
+        plan = table.plan(gpus_per_node=request.gpus_here(), **request.planning())
+        return Report(request, plan, lengths=table, device=backend.info())
+    workload = workload_of(request)
+    if strategies is not None:
+        rows = strategy_rows(request, lambda _: (workload, backend), on_trial=on_trial,
+                             use_trace_prior=request.trace_prior)
+        plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
+        return Report(request, plan, rows=tuple(rows), device=backend.info())
+    finding = find_plan(workload, gpus_per_node=request.gpus_per_node, backend=backend, max_batch=request.max_micro,
+                        min_micro=request.min_micro, headroom=request.headroom, on_trial=on_trial,
+                        use_cache=request.cache, use_trace_prior=request.trace_prior, **request.planning())
+    return Report(request, finding.plan, rows=(finding,), device=finding.probe.device)
+
+
+def _one_length(request: Request) -> int | None:
+    return request.lengths[0] if request.lengths else None
+
+
+def _launched(request: Request) -> Report:
+    """Under torchrun, ``accelerate launch``, …: every rank probes its own device, in lockstep."""
+    from ..distributed.launch import is_main_process, process_group, rank_env
+    from ..distributed.lockstep import probe_distributed
+
+    env = rank_env()
+    backend = make_backend(request.device or (f"cuda:{env.local_rank}" if request.memory is None else "cpu"),
+                           request.memory)
+    strategies = request.strategies
+    with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=request.timeout):
+        workload = workload_of(request)
+        sharded = {} if strategies is None else {"strategy": strategies[0],
+                                                 "deepspeed_config": user_deepspeed_config(request.deepspeed)}
+        # The trace leads an unsharded search on every rank, as without a launcher.
+        prior = (trace_prior_for(workload, backend, min_batch=request.min_micro)
+                 if request.trace_prior and strategies is None else None)
+        result = probe_distributed(workload, backend, max_batch=request.max_micro, min_batch=request.min_micro,
+                                   headroom=request.headroom, timeout_s=request.timeout, prior=prior, **sharded)
+    agreed = result.to_probe_result()
+    planning = request.planning()
+    if request.nodes == 1 and env.world_size > env.local_world_size:
+        planning["nodes"] = env.world_size // env.local_world_size
+    plan = plan_from_probe(agreed, gpus_per_node=request.gpus_per_node or env.local_world_size, **planning)
+    finding = Finding(agreed, plan, ranks_report=str(result),
+                      strategy=probed_strategy(agreed, None if strategies is None else strategies[0]))
+    return Report(request, plan, rows=(finding,), device=agreed.device, main_rank=is_main_process())
+
+
+_RENAMED = {"max_batch": "max_micro", "use_trace_prior": "trace_prior", "use_cache": "cache"}
+
+
+def find(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], Any],
+    *,
+    target: int | None = None,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
+    optimizer: Any = "adamw",
+    dtype: str | torch.dtype | None = None,
+    grad_checkpointing: bool = False,
+    device: str | None = None,
+    memory: int | str | None = None,
+    **options: Any,
+) -> Plan:
+    """The plan for ``target`` from a probe of your model, in one call, before training.
+
+    The short form of :func:`answer` for a model in hand: it builds the :class:`~autobatch.Request`
+    and returns the report's plan. It always probes (a GPU, or the CPU against ``memory``).
+
+    Args:
+        model: your model (left bit-identical) or a function building it.
+        make_batch: ``make_batch(b)`` returns a batch of ``b`` samples at the worst-case shape.
+        target: the global batch per optimizer step; default the safe batch on every GPU.
+        loss_fn, optimizer, dtype, grad_checkpointing: as in :class:`~autobatch.Workload`.
+        device, memory: ``"cuda"`` (default when available) or ``"cpu"`` with a simulated ``memory``.
+        options: any other :class:`~autobatch.Request` field (``gpus_per_node``, ``nodes``,
+            ``headroom``, ``strategy`` — e.g. ``strategy="zero3", gpus_per_node=8`` probes one rank
+            of eight under ZeRO-3 …; ``trace_prior=False`` searches without the fake-tensor trace's lead),
+            and ``on_trial``, called with each trial as it ends.
+
+    Example:
+        >>> import torch, autobatch
+        >>> model = torch.nn.Linear(64, 10)
+        >>> plan = autobatch.find(model, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))),
+        ...                       target=96, device="cpu", memory="64KiB", headroom=0)
+        >>> plan.micro_batch * plan.grad_accum * plan.world_size
+        96
+    """
+    on_trial = options.pop("on_trial", None)
+    options = {_RENAMED.get(k, k): v for k, v in options.items()}
+    request = Request(model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer,
+                      dtype="fp32" if dtype is None else dtype, grad_checkpointing=grad_checkpointing, target=target,
+                      device=device, memory=memory, estimate=False, **options)
+    return answer(request, on_trial=on_trial).plan

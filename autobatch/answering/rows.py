@@ -1,0 +1,151 @@
+"""The rows of an answer: one per strategy (probed or traced as rank 0 of W), or one per length.
+
+A strategy under which nothing fits is a row of its own (:class:`NoFit`) when several are
+compared; one strategy alone raises its error. The length table is :func:`length_table`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import AutobatchError, NoBatchFitsError
+from ..lengths import LengthTable, probe_lengths
+from ..pipeline import Finding, data_parallel_ranks, find_plan
+from ..probing.backends import MemoryBackend
+from ..strategy import Strategy
+from .request import Request
+
+__all__ = ["NoFit", "user_deepspeed_config", "strategy_rows", "estimate_strategy_rows", "length_table"]
+
+
+@dataclass(frozen=True)
+class NoFit:
+    """A compared strategy under which not even the smallest batch fits: a row of its own, not the end."""
+
+    strategy: Strategy
+    error: Exception
+    world_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.to_dict(), "world_size": self.world_size, "max_micro": 0, "error": str(self.error)}
+
+
+def user_deepspeed_config(path: Any) -> dict[str, Any] | None:
+    """The DeepSpeed file ``deepspeed`` names, when it exists already (its bucket sizes are probed)."""
+    from ..configs.deepspeed import read_deepspeed_config
+
+    return read_deepspeed_config(path) if path and Path(path).exists() else None
+
+
+Setup = Callable[[Strategy], tuple[Any, MemoryBackend]]
+
+
+def strategy_rows(request: Request, setup: Setup, *, on_trial: Callable[[Any], None] | None = None,
+                  use_trace_prior: bool = True) -> list[Finding | NoFit]:
+    """One :class:`~autobatch.pipeline.Finding` per strategy, each probed as rank 0 of the data-parallel world.
+
+    ``setup(strategy)`` returns the workload and backend for that strategy. When several are
+    compared, one under which nothing fits becomes a :class:`NoFit` row; a single strategy
+    raises its error.
+    """
+    strategies = request.strategies or ()
+    user_config = user_deepspeed_config(request.deepspeed)
+    gpus = request.gpus_per_node or 1
+    found: list[Finding | NoFit] = []
+    for chosen in strategies:
+        workload, backend = setup(chosen)
+        try:
+            found.append(find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=request.max_micro,
+                                   min_micro=request.min_micro, headroom=request.headroom, strategy=chosen,
+                                   deepspeed_config=user_config, on_trial=on_trial, use_trace_prior=use_trace_prior,
+                                   **request.planning()))
+        except NoBatchFitsError as exc:
+            if len(strategies) == 1:
+                raise
+            found.append(NoFit(chosen, exc, data_parallel_ranks(gpus, request.nodes, request.model_parallel)))
+    return found
+
+
+def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], None]) -> tuple[list[Finding | NoFit], dict[str, str]]:
+    """Rank 0 of W's sharded steps against ``spec``'s usable memory, one row per strategy, and how each ran.
+
+    FSDP and ZeRO train on fake tensors (no memory, seconds at any size). DDP's reducer reads
+    its tensors' data, so ``ddp`` runs real steps on this machine's CPU (rank 0's share of its
+    memory and time), and ``note`` says so before it starts.
+    """
+    from ..estimating.estimate import load_fake_model
+    from ..estimating.fake_backends import fake_backend, gpu_attention_backend
+
+    usable = spec.usable_bytes
+    how: dict[str, str] = {}
+    load = request.load_options(request.lengths[0] if request.lengths else None)
+
+    def setup(chosen: Strategy) -> tuple[Any, Any]:
+        if chosen.name != "ddp" and isinstance(request.model, str):
+            workload = load_fake_model(request.model, **load).to_workload(**request.settings())
+            template = workload.model if isinstance(workload.model, torch.nn.Module) else None
+            if template is not None:
+                how[chosen.label] = "a fake-tensor trace"
+                return workload, fake_backend(template, usable)
+        how[chosen.label] = "real steps on this CPU"
+        note(f"{chosen.label} runs real steps on this CPU (its wrapper reads its tensors' data, so it "
+             "cannot be traced on fake tensors): minutes for a large model")
+        return workload_of(request, load), gpu_attention_backend(usable)
+
+    # The trials already run on fake tensors (or DDP's real steps): a traced prior saves nothing.
+    return strategy_rows(request, setup, use_trace_prior=False), how
+
+
+def workload_of(request: Request, load: dict[str, Any] | None = None) -> Any:
+    """The request's model as a :class:`~autobatch.Workload` (a named model is built here)."""
+    from ..models import load_model
+    from ..probing.workload import Workload, default_loss
+
+    if isinstance(request.model, Workload):
+        return replace(request.model, **request.settings())
+    if isinstance(request.model, str):
+        seq_len = request.lengths[0] if request.lengths else None
+        return load_model(request.model, **(load or request.load_options(seq_len))).to_workload(**request.settings())
+    return Workload(request.model, request.make_batch, loss_fn=request.loss_fn or default_loss, **request.settings())
+
+
+def length_table(request: Request, backend: MemoryBackend | None, estimate_for: dict[str, Any] | None
+                 ) -> tuple[LengthTable, Any]:
+    """Probe (or, with ``estimate_for``, trace) every length of ``request``: one row each, and the workload.
+
+    The longest length is checked against the model first; ``--eval`` alone on a model without
+    lengths takes the model's own shape.
+    """
+    lengths = list(request.lengths) if request.lengths else None
+    if isinstance(request.model, str):
+        load = {**request.load_options(max(lengths) if lengths else None)}
+        if estimate_for is not None:
+            from ..estimating.estimate import load_fake_model
+
+            source = load_fake_model(request.model, **load)
+        else:
+            from ..models import load_model
+
+            source = load_model(request.model, **load)
+        if lengths is None and source.make_batch_at is None:  # --eval alone, a model without lengths: its own shape
+            base = source.to_workload(**request.settings())
+            workload = replace(base, make_batch=lambda b, _seq_len: base.make_batch(b))
+        else:
+            if lengths is None and source.seq_len is None:
+                raise AutobatchError(f"{request.model}'s make_batch takes a sequence length (b, seq_len); pass --seq-len")
+            lengths = lengths or [source.seq_len]
+            workload = source.to_length_workload(lengths, **request.settings())
+    else:
+        workload = workload_of(request)
+        if lengths is None:
+            base = workload
+            workload = replace(base, make_batch=lambda b, _seq_len: base.make_batch(b))
+    table = probe_lengths(workload, lengths or [None], backend, evaluation=request.evaluation,
+                          train_seq_len=request.train_seq_len, headroom=request.headroom, max_batch=request.max_micro,
+                          min_batch=request.min_micro, **(estimate_for or {}))
+    return table, workload

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
@@ -25,7 +26,9 @@ from .errors import AutobatchError, MissingDependencyError
 from .probing.samples import takes_seq_len
 from .probing.workload import Workload, default_loss
 
-__all__ = ["ModelSource", "BUILTIN_MODELS", "load_model", "load_layers", "list_models", "count_parameters"]
+__all__ = ["ModelSource", "BUILTIN_MODELS", "MAX_SAMPLE_ELEMENTS", "load_model", "load_layers", "list_models", "count_parameters"]
+
+MAX_SAMPLE_ELEMENTS = 2**40  # one sample past this holds more than any GPU: a typo, not a shape
 
 
 @dataclass(frozen=True)
@@ -202,13 +205,21 @@ def _parse_shape(input_shape: str | tuple[int, ...] | None) -> tuple[int, ...] |
         shape = ()
     if not shape or min(shape) < 1:
         raise AutobatchError(
-            f"input shape must be positive integers separated by commas, but got {input_shape!r}; write e.g. 3,224,224"
+            f"input_shape must be positive integers separated by commas, but got {input_shape!r}; write e.g. 3,224,224"
+        )
+    if math.prod(shape) > MAX_SAMPLE_ELEMENTS:
+        raise AutobatchError(
+            f"input_shape must hold at most 2**40 elements per sample (more than any GPU holds), but "
+            f"{input_shape!r} holds {math.prod(shape):.3g}; pass the shape of one sample, e.g. 3,224,224"
         )
     return shape
 
 
 def _import_function(spec: str) -> Callable[[], Any]:
     target, _, attr = spec.rpartition(":")
+    if not target.strip() or not attr.strip():
+        raise AutobatchError(f"--model {spec!r} must be file.py:function or package.module:function, with both "
+                             "parts; e.g. train.py:build_model")
     try:
         if target.endswith(".py") or "/" in target:
             path = Path(target)
@@ -279,8 +290,12 @@ def load_model(
         >>> source.make_batch(2)["input_ids"].shape
         torch.Size([2, 16])
     """
+    if input_shape is not None and (spec in BUILTIN_MODELS or spec.startswith("hf:")):
+        raise AutobatchError(_own_batches(spec))
     if spec in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[spec]
+        if seq_len is not None and builtin.family in ("mlp", "cnn"):
+            raise AutobatchError(_no_sequence(spec))
         if builtin.family == "mlp":
             return _classifier(spec, _tiny_mlp(), (64,), 10)
         if builtin.family == "cnn":
@@ -304,6 +319,8 @@ def load_model(
             raise AutobatchError(f"num_classes must be a positive integer, but got num_classes={num_classes!r}; "
                                  "pass the number of classes your model outputs (--num-classes)")
         model, workload = _user_model(spec)
+        if workload is not None and input_shape is not None:
+            raise AutobatchError(_own_batches(spec))
         if workload is not None:
             if takes_seq_len(workload.make_batch):  # make_batch(b, seq_len): bound to --seq-len for one length
                 at = workload.make_batch
@@ -312,6 +329,8 @@ def load_model(
                                    workload=bound, make_batch_at=at)
             return ModelSource(spec, model, workload.make_batch, workload.loss_fn, task="custom", workload=workload)
         shape = _parse_shape(input_shape)
+        if seq_len is not None:
+            raise AutobatchError(_no_sequence(spec))
         if shape is None:
             raise AutobatchError(
                 f"{spec} returned an nn.Module, so the input shape per sample is needed; pass --input-shape, e.g. 3,224,224"
@@ -321,6 +340,16 @@ def load_model(
         f"unknown model {spec!r}; built-in models are {', '.join(BUILTIN_MODELS)}; "
         "or pass hf:NAME_OR_DIR, path/to/file.py:function or package.module:function"
     )
+
+
+def _no_sequence(spec: str) -> str:
+    return (f"seq_len is the tokens per sample of a language model, but {spec} takes no sequence length; "
+            "drop --seq-len (or let the make_batch of your --model function take the length as its second argument)")
+
+
+def _own_batches(spec: str) -> str:
+    return (f"input_shape describes the samples of a --model function that returns an nn.Module, but {spec} "
+            "builds its own batches; drop --input-shape")
 
 
 def count_parameters(name: str) -> int:

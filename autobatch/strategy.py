@@ -146,6 +146,8 @@ def parse_strategies(text: str, offload: str | None = None, unit: str | None = N
             found.append(strategy)
     if offload not in (None, "none") and not any(s.is_deepspeed for s in found):
         parse_strategy(found[0].name, offload=offload)  # raises the one-line error
+    if unit is not None and not any(s.is_fsdp for s in found):
+        parse_strategy(found[0].name, unit=unit)  # likewise: a unit that no strategy of the list would wrap
     return found
 
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,19 @@ from autobatch.probing.heap import frozen_heap
 def _private_cache(tmp_path_factory, monkeypatch):
     # `find` caches probes per user; tests must never read or write a real user's cache.
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path_factory.mktemp("autobatch-cache")))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_files_left_in_the_checkout():
+    # A finder that checkpoints into the working directory (Lightning's scale_batch_size writes
+    # .scale_batch_size_*.ckpt) once left one committed at the root: the suite leaves none behind.
+    before = set(ROOT.glob("*.ckpt"))
+    yield
+    left = sorted(str(p.name) for p in set(ROOT.glob("*.ckpt")) - before)
+    assert not left, f"the tests left {left} in the checkout; run such code in a temporary directory"
 
 
 @pytest.fixture(scope="module")

@@ -78,3 +78,34 @@ def test_max_batch_must_agree_with_its_own_trials(tmp_path):
 def test_an_intact_entry_is_served(tmp_path):
     first, again, hit, cache_warnings = probe_twice(tmp_path, lambda result: None)
     assert hit and same(again, first) and not cache_warnings
+
+
+NESTED = "[" * 100_000 + "]" * 100_000  # parses past Python's recursion limit
+
+
+@pytest.mark.parametrize("content", [
+    NESTED,
+    '{"schema": "autobatch-probe", "version": 1, "digest": ' + NESTED + "}",
+    "[1, 2, 3]",
+    "\x00\xff garbage",
+    '{"schema": 1e999}',
+], ids=["nested", "nested-inside", "a-list", "binary", "infinity"])
+def test_any_content_in_a_cache_file_is_skipped_by_find_and_cache_list(tmp_path, monkeypatch, content):
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+    from autobatch.tuning.cache import SCHEMA, SCHEMA_VERSION
+
+    content = content.replace('"autobatch-probe", "version": 1', f'"{SCHEMA}", "version": {SCHEMA_VERSION}')
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
+    args = ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--max-micro", "8", "--no-trace-prior",
+            "--json"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    for path in (tmp_path / "probe").glob("*.json"):  # the entry find just wrote, and a stray one beside it
+        path.write_text(content)
+        (tmp_path / "probe" / f"stray-{path.name}").write_text(content)
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and json.loads(again.stdout)["cached"] is False, again.output
+    listed = CliRunner().invoke(app, ["cache", "list", "--json"])
+    assert listed.exit_code == 0 and "Traceback" not in listed.output

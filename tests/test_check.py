@@ -181,9 +181,10 @@ def test_deepspeed_auto_is_filled_from_the_flags_like_hf_does():
     result = check_setup(micro_batch=7, grad_accum=2, gpus_per_node=16, deepspeed={**auto, "zero_optimization": {}})
     assert result.ok and result.global_batch == 224
     assert any("checked as 224" in note for note in result.notes)
-    # with nothing to fill it from, auto is a note (the launcher fills it), not a false alarm
+    # with nothing to fill it from, each auto is a note (the launcher fills it), and the file as a whole
+    # is not "OK": nothing about its batch was checked
     open_result = check_setup(gpus_per_node=16, deepspeed={**auto, "zero_optimization": {}})
-    assert open_result.ok and open_result.global_batch is None
+    assert codes(open_result) == ["deepspeed-unchecked"] and open_result.global_batch is None
     assert sum("no argument gives it" in note for note in open_result.notes) == 3
 
 
@@ -328,3 +329,32 @@ def test_result_to_dict_is_json_ready():
 
 def test_problem_str_joins_rule_and_fix():
     assert str(Problem("x", "the rule", "the fix")) == "the rule. Fix: the fix"
+
+
+def test_a_zero_stage_deepspeed_refuses_is_a_problem(tmp_path):
+    from autobatch import check_setup
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 7}}))
+    result = check_setup(deepspeed=ds)
+    assert [p.code for p in result.problems] == ["deepspeed-zero-stage"] and "got 7" in result.problems[0].message
+    try:  # DeepSpeed's own config agrees: stage 7 does not load
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:
+        return
+    with pytest.raises(ValueError):
+        DeepSpeedZeroConfig(stage=7)
+    for stage in (0, 1, 2, 3):
+        ds.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": stage}}))
+        assert check_setup(deepspeed=ds).ok and DeepSpeedZeroConfig(stage=stage).stage == stage
+
+
+def test_a_file_that_leaves_every_batch_key_to_the_launcher_is_not_ok_without_numbers(tmp_path):
+    from autobatch import check_setup
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({key: "auto" for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                      "gradient_accumulation_steps")}))
+    result = check_setup(deepspeed=ds)
+    assert [p.code for p in result.problems] == ["deepspeed-unchecked"]
+    assert check_setup(deepspeed=ds, micro_batch=4, grad_accum=2, gpus_per_node=2).ok  # the numbers fill them

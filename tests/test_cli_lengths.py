@@ -88,7 +88,7 @@ def test_bad_lengths_are_one_line_before_any_trial():
     for model, args, message in (
         (MODEL, ["--seq-len", "64,abc"], "--seq-len must be one positive integer or several separated by commas"),
         (MODEL, ["--seq-len", "64,128", "--train-seq-len", "96"], "--train-seq-len must be one of the --seq-len values"),
-        ("tiny-mlp", ["--seq-len", "64,128"], "cannot be probed at several --seq-len values"),
+        ("tiny-mlp", ["--seq-len", "64,128"], "--seq-len is the tokens per sample of a language model, but tiny-mlp takes no sequence length"),
     ):
         result = run("find", "--model", model, *args, *DEVICE)
         assert result.exit_code == 2 and message in result.stderr, result.output

@@ -94,7 +94,7 @@ def test_plot_is_written_with_json(tmp_path):
     (("--target", "0"), "target"),
     (("--gpus", "0"), "gpus"),
     (("--nodes", "0"), "nodes"),
-    (("--gpus", "2", "--model-parallel", "3"), "model_parallel"),
+    (("--gpus", "2", "--model-parallel", "3"), "--model-parallel"),
     (("--target", "7", "--gpus", "2"), "no exact plan"),
     (("--deepspeed", "x.txt"), ".json"),
     (("--accelerate", "x.txt"), ".yaml"),

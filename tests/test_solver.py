@@ -172,8 +172,17 @@ def test_deepspeed_floor_is_named_and_never_taken():
     message = str(info.value)
     assert "floor that to 74 and train 222" in message
     assert (info.value.below, info.value.above) == (222, 225)
-    assert info.value.world_sizes == (1, 2, 4, 7, 8)
+    # every world size that works, when they are few: 14 and 16 run 224 as well as 7 and 8 do
+    assert info.value.world_sizes == (1, 2, 4, 7, 8, 14, 16, 28, 32, 56, 112, 224)
+    assert "224 exactly: 1, 2, 4, 7, 8, 14, 16, 28, 32, 56, 112, 224. Fix" in message
     assert "\n" not in message
+
+
+def test_many_working_world_sizes_list_the_nearest_and_say_more_exist():
+    with pytest.raises(NoExactPlanError) as info:
+        solve(5040, 11, 1)  # 5040 has 60 divisors
+    assert info.value.world_sizes == (8, 9, 10, 12, 14, 15)
+    assert "exactly: 8, 9, 10, 12, 14, 15 (the nearest; more exist)" in str(info.value)
 
 
 def test_model_parallel_ranks_share_a_batch():

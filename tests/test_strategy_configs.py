@@ -118,5 +118,5 @@ def test_importing_deepspeed_for_a_probe_prints_nothing_on_stdout() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
-    assert "Setting accelerator" in done.stderr  # said, on stderr
+    assert "Setting accelerator" not in done.stderr  # the CPU fallback is on purpose here: not said at all
     assert done.stderr.strip().endswith("True")  # and its handler writes to stdout again afterwards

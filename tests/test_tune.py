@@ -107,6 +107,29 @@ def test_study_resumes_and_reports_the_best_plan(root):
     assert "speed-up" in str(second) and second.study_name in str(second)
 
 
+def test_a_resumed_study_times_its_baseline_again_before_claiming_a_speedup(tmp_path, monkeypatch):
+    # The first run's process was cold: every plan timed at 10 samples/s. The second run's plans all
+    # run at 40. Against the first run's baseline that read as a 4× speed-up that is not there.
+    import importlib
+
+    module = importlib.import_module("autobatch.tuning.tune")
+    rate = {"now": 10.0}
+    timed: list[str] = []
+
+    def timing(workload, model, backend, plan, *, steps, on_step=None):
+        timed.append(f"{plan.micro_batch}x{plan.grad_accum}")
+        return rate["now"], 0.01
+
+    monkeypatch.setattr(module, "time_plan", timing)
+    first = tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=1, root=tmp_path, max_batch=64)
+    assert first.speedup == 1.0
+    rate["now"] = 40.0
+    second = tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=2, root=tmp_path, max_batch=64)
+    assert timed[1] == timed[0]  # the baseline, timed again first in the second run
+    assert second.baseline.trial_number == 1 and second.baseline.samples_per_second == 40.0
+    assert second.speedup == 1.0 and len(second.measurements) == 3
+
+
 def test_a_different_target_is_a_different_study(root):
     result = tune(_work(), 8, SimulatedBackend(BUDGET), n_trials=1, timed_steps=1, root=root, max_batch=64,
                   checkpointing=[False])

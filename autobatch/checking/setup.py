@@ -34,6 +34,8 @@ from .views import (
     _compare,
     _deepspeed_values,
     _deepspeed_auto_view,
+    _deepspeed_open_view,
+    _zero_stage_view,
     _deepspeed_view,
     _fill_auto,
     _flags_view,
@@ -179,6 +181,7 @@ def check_setup(
                 f"{ds_label} has no {ZERO_OPTIMIZATION} section: plain deepspeed.initialize accepts that, "
                 f'HF Trainer and accelerate refuse it (add "{ZERO_OPTIMIZATION}": {{"stage": 0}})'
             )
+        _zero_stage_view(c, ds_label, ds)
         values = _deepspeed_values(c, ds_label, ds)
     determined = sum(n is not None for n in given.numbers()) >= 2 and (given.target, given.micro) != (None, None)
     if values is not None and not determined and (given.target is not None or given.micro is not None):
@@ -211,6 +214,7 @@ def check_setup(
                     resolved = ds_batch
         elif flags_problem is None:  # the arguments' own problem already says what is wrong
             _deepspeed_auto_view(c, ds_label, values, world, topo, min_micro)
+            _deepspeed_open_view(c, ds_label, values, given)
     if acc_loaded is not None:
         section = acc_loaded[1].get("deepspeed_config") or {}
         accum = section.get("gradient_accumulation_steps")
@@ -233,7 +237,8 @@ def check_setup(
         c.add(
             "missing-batch",
             "a setup needs a global batch or a micro batch to check, but neither was given",
-            "pass target and/or micro_batch, or a DeepSpeed config",
+            "pass the global batch and/or the micro batch (--target, --micro-batch; target=, micro_batch= from "
+            "Python), or a DeepSpeed config",
         )
 
     return CheckResult(

@@ -137,6 +137,32 @@ def _fill_auto(c: _Collector, label: str, values: dict[str, int | str | None], f
     return complete
 
 
+def _zero_stage_view(c: _Collector, label: str, ds: dict[str, Any]) -> None:
+    """``zero_optimization.stage`` as DeepSpeed accepts it: 0, 1, 2 or 3 (its ZeroStageEnum)."""
+    section = ds.get(ZERO_OPTIMIZATION)
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        c.add("deepspeed-zero-stage", f"{ZERO_OPTIMIZATION} in {label} must be a mapping, but got {section!r}",
+              f'write "{ZERO_OPTIMIZATION}": {{"stage": 2}} (0, 1, 2 or 3)')
+        return
+    stage = section.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        c.add("deepspeed-zero-stage", f"{ZERO_OPTIMIZATION}.stage in {label} must be 0, 1, 2 or 3, but got {stage!r}",
+              "set the ZeRO stage you train with (autobatch solve --strategy zero2 --deepspeed … writes it)",
+              stage=stage)
+
+
+def _deepspeed_open_view(c: _Collector, label: str, values: dict[str, int | str | None], flags: _Batch) -> None:
+    """A file whose batch keys are all left to the launcher, with no numbers given: nothing is checked."""
+    if any(isinstance(v, int) for v in values.values()) or any(n is not None for n in flags.numbers()):
+        return
+    c.add("deepspeed-unchecked",
+          f"{label} leaves every batch key to the launcher (\"auto\" or absent) and no argument gives them, so "
+          "nothing about the batch can be checked",
+          "pass the numbers the launcher fills them with, e.g. --micro-batch 8 --grad-accum 2 --gpus 8")
+
+
 def _deepspeed_auto_view(
     c: _Collector, label: str, values: dict[str, int | str | None], world: int, topo: tuple[int, int, int],
     min_micro: int,

@@ -25,13 +25,18 @@ try:  # typer >= 0.20 carries its own copy of click, whose exceptions it raises
 except ImportError:  # pragma: no cover - older typer uses click itself
     import click
 
-from ..errors import AutobatchError, RequestError
+from ..errors import AutobatchError, user_code_error
 from .options import FLAGS
 
 __all__ = ["app", "cache_app", "command", "in_flags", "COMMAND_ORDER", "RENAMED", "outputs"]
 
 # The order a user needs them in: probe and plan, plan alone, check, then the rest.
 COMMAND_ORDER = ["find", "solve", "check", "estimate", "tune", "verify-ga", "gpus", "models", "cache"]
+
+# The largest whole number a flag takes: batch arithmetic is exact below 2**64 (planning/divisors.py);
+# torch seeds are signed 64-bit.
+MAX_WHOLE = 2**64 - 1
+INT_BOUNDS = {"seed": 2**63 - 1}
 
 # Spellings of earlier releases, still accepted (hidden from --help) with a note naming the new flag.
 RENAMED = {"--max-batch": "--max-micro", "--world-size": "--gpus"}
@@ -114,7 +119,14 @@ class AutobatchCommand(TyperCommand):
                 typer.echo(f"note: {old} is now {new}", err=True)
                 arg = new + eq + value
             rewritten.append(arg)
-        return super().parse_args(ctx, rewritten)
+        rest = super().parse_args(ctx, rewritten)
+        for param in self.params:  # every whole number has a bound: past it, torch and the OS overflow
+            value = ctx.params.get(param.name)
+            bound = INT_BOUNDS.get(param.name, MAX_WHOLE)
+            if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+                raise click.exceptions.BadParameter(f"Input should be less than or equal to {bound}", ctx=ctx,
+                                                    param=param)
+        return rest
 
 
 class AutobatchGroup(TyperGroup):
@@ -202,10 +214,13 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
                 _outputs.clear()
                 try:
                     return fn(*a, **kw)
-                except AutobatchError as exc:
-                    if _state["debug"]:
+                except (Exception, SystemExit) as exc:
+                    # Our own errors, and those raised in the user's model, data or loss: one line.
+                    user = None if isinstance(exc, AutobatchError) else user_code_error(exc)
+                    if _state["debug"] or (user is None and not isinstance(exc, AutobatchError)):
                         raise
-                    message = exc.spelt(FLAGS) if isinstance(exc, RequestError) else in_flags(str(exc))
+                    message = (user + "; --debug shows the traceback" if user is not None
+                               else in_flags(exc.spelt(FLAGS)))
                     if kw.get("as_json"):
                         _json_error(message, 2)
                     typer.echo(f"Error: {message}", err=True)

@@ -38,7 +38,7 @@ def check_plan_outputs(
         if path.is_dir():
             raise ConfigFileError(path, f"for --{flag} must be a file, but {str(path)!r} is a directory",
                                   f"pass a file name inside it, e.g. {str(path / ('config' + suffixes[flag][0]))!r}")
-        if flag != "hf" and path.exists():
+        if path.exists():
             read_config(path)  # merged into later: it has to parse
 
 
@@ -62,7 +62,8 @@ def write_plan_configs(
         deepspeed: DeepSpeed JSON; an existing file keeps every key but the three batch keys.
         accelerate: accelerate config YAML (pointing at ``deepspeed`` when both are given); an
             existing file keeps every key the plan does not decide.
-        hf: HF ``TrainingArguments`` values, JSON or YAML by suffix (pointing at ``deepspeed`` too).
+        hf: HF ``TrainingArguments`` values, JSON or YAML by suffix (pointing at ``deepspeed`` too); an
+            existing file keeps every key the plan does not decide.
         keep_auto: leave ``"auto"`` batch values in an existing DeepSpeed file.
         written: filled as each file is written (and returned), so that a caller interrupted
             half-way knows what is already on disk.
@@ -99,6 +100,8 @@ def write_plan_configs(
         merged(accelerate, lambda: write_accelerate_config(plan, accelerate, deepspeed, strategy=strategy))
         written["accelerate_config"] = str(accelerate)
     if hf is not None:
-        write_config(hf, hf_training_args(plan, deepspeed, eval_batch=eval_batch, strategy=strategy))
+        # The user's other TrainingArguments (learning rate, output_dir, …) stay: only the plan's keys change.
+        args = hf_training_args(plan, deepspeed, eval_batch=eval_batch, strategy=strategy)
+        merged(hf, lambda: write_config(hf, {**(read_config(hf) if os.path.exists(hf) else {}), **args}))
         written["hf_args"] = str(hf)
     return written

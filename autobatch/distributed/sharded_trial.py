@@ -28,8 +28,8 @@ import torch
 from ..errors import AutobatchError
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
-from ..probing.trial import PhasePeaks, Trial, to_device
-from ..probing.workload import Workload, resolve_dtype
+from ..probing.trial import PhasePeaks, Trial, batch_on
+from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
 from .sharding import Wrapped, local_bytes, wrap_model
 
@@ -83,11 +83,11 @@ def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn
 
 
 def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.device) -> None:
-    batch = to_device(workload.make_batch(batch_size), device)
+    batch = batch_on(workload, batch_size, device)
     dtype = resolve_dtype(workload.dtype)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with autocast:
-        loss = workload.loss_fn(wrapped.module, batch)
+        loss = step_loss(workload, wrapped.module, batch)
     wrapped.backward(loss)
 
 
@@ -106,6 +106,9 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
         # FSDP and DeepSpeed call collectives torch has renamed: its deprecation notes, once per
         # trial, say nothing about the user's setup (the filters are undone when the trial ends).
         warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        # FSDP1 reads its parameters' data pointers (to tell shared storage apart); on the fake tensors
+        # of an estimate torch warns that this is "almost definitely a bug": not here, where nothing is read.
+        warnings.filterwarnings("ignore", message=r"Accessing the data pointer of FakeTensor")
         model = _copy_model(template, workload.grad_checkpointing)
         wrapped: Wrapped | None = None
         error = config = None

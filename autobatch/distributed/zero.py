@@ -109,19 +109,29 @@ def _deepspeed() -> Any:
         return sys.modules["deepspeed"]
     logger = logging.getLogger("DeepSpeed")
     before, stdout = list(logger.handlers), sys.stdout
+    # On a machine without a GPU DeepSpeed warns at import that it fell back to the CPU ("If you
+    # have GPU … we were unable to detect it"): that is where a simulated budget or a fake-tensor
+    # trace runs on purpose, so the warning would only alarm. Dropped for the import alone.
+    logger.addFilter(_cpu_fallback_note)
     try:
-        # DeepSpeed logs to stdout, once at import ("Setting accelerator to CPU"); stdout may be
-        # `--json`'s one object: the import logs to stderr, then its handler is put back on stdout.
+        # DeepSpeed logs to stdout at import; stdout may be `--json`'s one object: the import logs
+        # to stderr, then its handler is put back on stdout.
         with redirect_stdout(sys.stderr):
             import deepspeed
     except ImportError:
         raise MissingDependencyError(
             "probing a ZeRO strategy needs deepspeed, which is not installed; pip install 'autobatch[deepspeed]'"
         ) from None
+    finally:
+        logger.removeFilter(_cpu_fallback_note)
     for handler in logger.handlers:
         if handler not in before and isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
             handler.setStream(stdout)
     return deepspeed
+
+
+def _cpu_fallback_note(record: logging.LogRecord) -> bool:
+    return "Setting accelerator to CPU" not in record.getMessage()
 
 
 @contextmanager

@@ -128,8 +128,8 @@ class AllowedMicros:
         """Every allowed micro batch, when ``max_micro`` keeps them few enough to list."""
         if self.max_micro is None:
             return None
-        span = range(self.smallest, self.max_micro + 1, self.multiple_of)
-        return span if len(span) <= _LISTED else None
+        count = max(0, (self.max_micro - self.smallest) // self.multiple_of + 1)  # len() overflows past 2**63
+        return range(self.smallest, self.max_micro + 1, self.multiple_of) if count <= _LISTED else None
 
     def micros_dividing(self, per_rank: int) -> list[int]:
         few = self._few()

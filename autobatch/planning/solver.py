@@ -19,6 +19,7 @@ from .plan import LRAdvice, Plan, require_positive_int
 __all__ = ["solve", "exact_plans", "check_request", "NoExactPlanError"]
 
 # How many alternative world sizes an error lists on each side of the current one.
+_WORLD_SIZES_LISTED = 12  # every working world size up to this many; past it, the nearest few each side
 _WORLD_SIZES_EACH_SIDE = 3
 
 
@@ -155,8 +156,9 @@ def _nearest_achievable(target: int, world: int, allowed: AllowedMicros) -> tupl
     return below, world * k
 
 
-def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tuple[int, ...]:
-    """Data-parallel world sizes that reach ``target`` exactly, the nearest few on each side of ``world``."""
+def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tuple[tuple[int, ...], bool]:
+    """Data-parallel world sizes that reach ``target`` exactly: all of them when they are few, else the
+    nearest few on each side of ``world``; and whether that is all of them."""
     sizes = divisors(target)
 
     def nearest(candidates: list[int]) -> list[int]:
@@ -164,13 +166,15 @@ def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tup
         for w in candidates:
             if allowed.divides_some(target // w):
                 found.append(w)
-                if len(found) == _WORLD_SIZES_EACH_SIDE:
+                if len(found) > _WORLD_SIZES_LISTED:
                     break
         return found
 
     lower = nearest([w for w in reversed(sizes) if w < world])
     upper = nearest([w for w in sizes if w > world])
-    return tuple(lower[::-1] + upper)
+    if len(lower) + len(upper) <= _WORLD_SIZES_LISTED:
+        return tuple(lower[::-1] + upper), True
+    return tuple(lower[:_WORLD_SIZES_EACH_SIDE][::-1] + upper[:_WORLD_SIZES_EACH_SIDE]), False
 
 
 def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: AllowedMicros) -> NoExactPlanError:
@@ -189,11 +193,12 @@ def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, a
             f"and no micro batch ({allowed.describe()}) divides {target // world}"
         )
     below, above = _nearest_achievable(target, world, allowed)
-    sizes = _working_world_sizes(target, world, allowed)
+    sizes, every = _working_world_sizes(target, world, allowed)
     nearest = f"{below} below or {above} above" if below is not None else f"{above} above (none below)"
     label = "data-parallel world sizes" if model_parallel > 1 else "world sizes"
     size_text = (
-        f"; {label} that reach {target} exactly: {', '.join(map(str, sizes))}" if sizes else ""
+        f"; {label} that reach {target} exactly: {', '.join(map(str, sizes))}{'' if every else ' (the nearest; more exist)'}"
+        if sizes else ""
     )
     fixes = ["change the target to one of those batches"]
     if sizes:
@@ -346,6 +351,9 @@ def solve(
         reason = f"largest micro batch{limits} that divides the {per_rank} samples per GPU (fewest accumulation steps)"
         if times:
             reason += "; no step time was given for any micro batch that divides it"
+        if max_micro is None:
+            reason += ("; no memory limit was given (--max-micro / max_micro), so nothing says this micro batch "
+                       "fits: `autobatch find` measures the largest that does")
 
     return Plan(
         micro_batch=micro,

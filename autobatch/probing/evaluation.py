@@ -14,7 +14,7 @@ import torch
 
 from .backends import MemoryBackend
 from .oom import is_oom_error, oom_message
-from .trial import Trial, to_device
+from .trial import Trial, batch_on
 from .workload import Workload, resolve_dtype
 
 __all__ = ["run_eval_trial"]
@@ -22,7 +22,7 @@ __all__ = ["run_eval_trial"]
 
 def _forward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
     # A function of its own so the batch, outputs and loss die with its frame.
-    batch = to_device(workload.make_batch(batch_size), device)
+    batch = batch_on(workload, batch_size, device)
     dtype = resolve_dtype(workload.dtype)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with torch.no_grad(), autocast:

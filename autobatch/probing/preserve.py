@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ def borrowed_model(
     buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
     grads = {name: (p.grad, p.requires_grad) for name, p in params.items()}
     modes = [(module, module.training) for module in model.modules()]
+    kept = [(module, _hooks_and_names(module)) for module in model.modules()]
     checkpointing_before = _checkpointing_on(model)
     # Per tensor: ("copy", CPU copy) when trained in place on the device, ("moved", original) when
     # a copy is trained on the device instead. Keyed by name: ``p.data`` is a new object each time.
@@ -85,6 +87,27 @@ def borrowed_model(
                     module._buffers[name] = give_back(save, module._buffers[name])
             for module, training in modes:
                 module.training = training
+            for module, before in kept:
+                _restore_hooks_and_names(module, before)
+
+
+# Every hook table a module keeps (forward, pre-forward, backward, state-dict …): read from the module
+# itself, so a table a newer torch adds is kept too.
+def _hooks_and_names(module: torch.nn.Module) -> tuple[set[str], dict[str, dict[Any, Any]]]:
+    tables = {name: dict(value) for name, value in vars(module).items() if "hook" in name and isinstance(value, dict)}
+    return set(vars(module)), tables
+
+
+def _restore_hooks_and_names(module: torch.nn.Module, before: tuple[set[str], dict[str, dict[Any, Any]]]) -> None:
+    """Take off what the probe hung on ``module``: hooks it registered (transformers' checkpointing
+    leaves an input-grads hook on the embeddings) and attributes it added (``_require_grads_hook``)."""
+    names, tables = before
+    for name in set(vars(module)) - names:
+        delattr(module, name)
+    for name, table in tables.items():
+        current = getattr(module, name)
+        current.clear()
+        current.update(table)
 
 
 def _checkpointing_on(model: torch.nn.Module) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AutobatchError, MinimumBatchError, NoBatchFitsError
+from ..errors import AutobatchError, MinimumBatchError, NoBatchFitsError, assigned
 from ..modelinfo import min_batch_for, require_materialized
 from ..units import format_bytes, parse_bytes
 from .backends import CudaBackend, MemoryBackend, SimulatedBackend
@@ -47,7 +47,7 @@ def make_backend(device: str | torch.device | None = None, memory: int | str | N
         if memory is None:
             raise AutobatchError(
                 "probing on the CPU needs a simulated memory budget, but none was given; "
-                "pass memory='8GiB' (CLI: --device cpu --memory 8GiB)"
+                f"pass {assigned('memory', '8GiB')} with {assigned('device', 'cpu')}"
             )
         return SimulatedBackend(memory, allocator=allocator)
     raise AutobatchError(f"device must be 'cuda', 'cuda:N' or 'cpu', but got {name!r}")
@@ -68,7 +68,7 @@ def for_data_parallel(result: ProbeResult, data_parallel: int) -> ProbeResult:
     summary = summarise(result.trials, result.max_batch, limit)
     peak = None if summary.safe_peak_bytes is None else summary.safe_peak_bytes + result.gradient_bytes
     return replace(
-        result, safe_batch=summary.safe_batch, safe_peak_bytes=peak, safe_peak_measured=False,
+        result, safe_batch=summary.safe_batch, safe_peak_bytes=peak, safe_peak_measured=summary.safe_peak_measured,
         extra={**result.extra, "ddp_buckets_bytes": result.gradient_bytes},
     )
 
@@ -175,7 +175,7 @@ def training_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBa
         if batch == 1 and _BATCHNORM_MESSAGE in str(exc):
             raise MinimumBatchError(
                 "the model needs a per-device batch of at least 2 (BatchNorm cannot compute statistics "
-                "of one sample), but the probe started at 1; use min_batch=2 (CLI: --min-micro 2)",
+                f"of one sample), but the probe started at 1; use {assigned('min_micro', 2)}",
                 min_batch=2,
             ) from exc
         raise

@@ -109,13 +109,21 @@ class ProbeResult(BatchResult):
         return {"safe_peak_measured": self.safe_peak_measured, "gradient_bytes": self.gradient_bytes,
                 "device": self.device.to_dict()}
 
+    def _safe_peak_text(self) -> str:
+        """The safe batch's peak as the trial table shows it: measured or predicted, and DDP's buckets on top."""
+        how = "measured" if self.safe_peak_measured else "predicted"
+        buckets = self.extra.get("ddp_buckets_bytes")
+        if not buckets or self.safe_peak_bytes is None:
+            return f"{format_bytes(self.safe_peak_bytes)}{'' if self.safe_peak_measured else ' predicted'}"
+        return (f"{format_bytes(self.safe_peak_bytes)}: {format_bytes(self.safe_peak_bytes - buckets)} {how} + "
+                f"{format_bytes(buckets)} for DDP's gradient buckets on each of several ranks")
+
     def __str__(self) -> str:
         lines = [
             f"{self.workload} on {self.device.name}: capacity {format_bytes(self.capacity_bytes)}",
             f"max batch {self.max_batch} (limited by {self.limit_text()}), found in {len(self.trials)} trials: "
             + self.trials_text(),
-            f"safe batch {self.safe_batch} (peak {format_bytes(self.safe_peak_bytes)}"
-            f"{'' if self.safe_peak_measured else ' predicted'}, headroom {format_bytes(self.headroom_bytes)})",
+            f"safe batch {self.safe_batch} (peak {self._safe_peak_text()}, headroom {format_bytes(self.headroom_bytes)})",
         ]
         if (trace := self.trace_line()) is not None:
             lines.insert(2, trace)

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import AutobatchError
 
-__all__ = ["LongestSample", "longest_sample", "repeat_sample", "takes_seq_len"]
+__all__ = ["LongestSample", "longest_sample", "repeat_sample", "takes_seq_len", "check_sample_count"]
 
 _MASK_KEYS = ("attention_mask",)
 
@@ -146,3 +146,41 @@ def takes_seq_len(make_batch: Callable[..., Any]) -> bool:
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _shapes(batch: Any) -> list[tuple[int, ...]]:
+    if isinstance(batch, torch.Tensor):
+        return [tuple(batch.shape)]
+    if isinstance(batch, Mapping):
+        return [shape for value in batch.values() for shape in _shapes(value)]
+    if isinstance(batch, (list, tuple)):
+        return [shape for value in batch for shape in _shapes(value)]
+    return []
+
+
+def check_sample_count(batch: Any, batch_size: int, make_batch: Callable[..., Any] | None = None) -> None:
+    """Refuse a batch in which no tensor has a dimension of ``batch_size``: ``make_batch`` ignored ``b``.
+
+    A ``make_batch`` that always returns the same few samples trains at no batch but its own, and
+    the probe would call every batch a fit ("max batch 1048576"). Batches with no tensors, and
+    tensors of no dimension only, are left to the model.
+
+    Example:
+        >>> check_sample_count(torch.zeros(3, 8), 1)
+        Traceback (most recent call last):
+        ...
+        autobatch.errors.AutobatchError: make_batch(1) must return a batch of 1 samples, but no tensor in it has a dimension of 1 (shapes: (3, 8)); build every tensor from b, e.g. torch.randn(b, 64)
+    """
+    shapes = [shape for shape in _shapes(batch) if shape]
+    if not shapes or any(batch_size in shape for shape in shapes):
+        return
+    where = ""
+    if make_batch is not None:
+        code = getattr(make_batch, "__code__", None)
+        if code is not None:
+            where = f" ({code.co_filename}:{code.co_firstlineno}, {getattr(make_batch, '__qualname__', 'make_batch')})"
+    listed = ", ".join(str(shape) for shape in shapes[:4]) + (", …" if len(shapes) > 4 else "")
+    raise AutobatchError(
+        f"make_batch({batch_size}) must return a batch of {batch_size} samples, but no tensor in it has a dimension "
+        f"of {batch_size} (shapes: {listed}){where}; build every tensor from b, e.g. torch.randn(b, 64)"
+    )

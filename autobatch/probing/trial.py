@@ -13,9 +13,10 @@ import torch
 
 from .backends import MemoryBackend
 from .oom import is_oom_error, oom_message
-from .workload import Workload, make_optimizer, resolve_dtype
+from .samples import check_sample_count
+from .workload import Workload, make_optimizer, resolve_dtype, step_loss
 
-__all__ = ["Trial", "PhasePeaks", "run_trial", "forward_backward", "to_device"]
+__all__ = ["Trial", "PhasePeaks", "run_trial", "forward_backward", "batch_on", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def batch_on(workload: Workload, batch_size: int, device: torch.device) -> Any:
+    """``workload.make_batch(batch_size)`` on ``device``, refused when it does not hold ``batch_size`` samples."""
+    batch = workload.make_batch(batch_size)
+    check_sample_count(batch, batch_size, workload.make_batch)
+    return to_device(batch, device)
+
+
 def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
     """One micro-batch's forward and backward at ``batch_size`` (gradients accumulate in ``model``)."""
     # A function of its own so the batch, activations and loss die with its frame.
-    batch = to_device(workload.make_batch(batch_size), device)
+    batch = batch_on(workload, batch_size, device)
     dtype = resolve_dtype(workload.dtype)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with autocast:
-        loss = workload.loss_fn(model, batch)
+        loss = step_loss(workload, model, batch)
     loss.backward()
 
 

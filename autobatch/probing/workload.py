@@ -10,7 +10,7 @@ import torch
 
 from ..errors import AutobatchError
 
-__all__ = ["Workload", "default_loss", "make_optimizer", "resolve_dtype", "OPTIMIZERS", "DTYPES"]
+__all__ = ["Workload", "default_loss", "step_loss", "where", "make_optimizer", "resolve_dtype", "OPTIMIZERS", "DTYPES"]
 
 ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -47,7 +47,13 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         return loss
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         inputs, targets = batch
-        return torch.nn.functional.cross_entropy(model(inputs), targets)
+        logits = model(inputs)
+        if not isinstance(logits, torch.Tensor):
+            raise AutobatchError(
+                f"default_loss takes a batch (inputs, targets) as classification: model(inputs) must return a tensor "
+                f"of logits, but {where(model)} returned {type(logits).__name__}; return the logits, or pass "
+                "loss_fn=… (a Workload from your --model function)")
+        return torch.nn.functional.cross_entropy(logits, targets)
     out = model(batch)
     if isinstance(out, torch.Tensor):
         return out.float().mean()
@@ -60,7 +66,32 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
+def where(fn: Any) -> str:
+    """``file.py:12 (name)``: where a function of the user's is defined, for an error to point at."""
+    fn = getattr(fn, "forward", fn) if isinstance(fn, torch.nn.Module) else fn
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return getattr(fn, "__qualname__", type(fn).__name__)
+    return f"{code.co_filename}:{code.co_firstlineno} ({getattr(fn, '__qualname__', code.co_name)})"
+
+
+def step_loss(workload: Workload, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """``workload.loss_fn(model, batch)``, refused in one line unless it is a one-element tensor."""
+    loss = workload.loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor):
+        raise AutobatchError(f"the loss must be a tensor with one element, but loss_fn returned {type(loss).__name__} "
+                             f"({where(workload.loss_fn)}); return a torch scalar, e.g. the mean of the batch's losses")
+    if loss.numel() != 1:
+        raise AutobatchError(f"the loss must be a tensor with one element, but loss_fn returned one of shape "
+                             f"{tuple(loss.shape)} ({where(workload.loss_fn)}); reduce it, e.g. .mean()")
+    return loss
+
+
 def make_optimizer(optimizer: str | OptimizerFactory, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    params = list(params)
+    if not params:
+        raise AutobatchError("the model has no trainable parameters (requires_grad is False on every one), so no "
+                             "training step can be probed; unfreeze the layers you train")
     if callable(optimizer):
         return optimizer(params)
     try:
@@ -127,4 +158,7 @@ class Workload:
             )
         resolve_dtype(self.dtype)
         if isinstance(self.optimizer, str) and self.optimizer.lower() not in OPTIMIZERS:
-            make_optimizer(self.optimizer, [])  # raises the one-line error naming the choices
+            raise AutobatchError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, but got {self.optimizer!r}; "
+                "pass an optimizer factory from Python for anything else"
+            )

@@ -138,7 +138,7 @@ def _read(path: Path) -> dict[str, Any] | None:
             data = json.load(fh)
     except (FileNotFoundError, NotADirectoryError):  # nothing cached yet
         return None
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; JSON nested too deep
         _warn(path, f"unreadable: {type(exc).__name__}")
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
@@ -161,15 +161,15 @@ def load(fp: Fingerprint, *, root: Path | None = None, capacity: int | None = No
     data = _read(path)
     if data is None:
         return None
-    if data.get("digest") != fp.digest or data.get("fingerprint") != fp.fields:
-        _warn(path, "its fingerprint does not match its name")
-        return None
-    try:
+    try:  # any content at all: a file that is not what autobatch wrote is skipped, never a crash
+        if data.get("digest") != fp.digest or data.get("fingerprint") != fp.fields:
+            _warn(path, "its fingerprint does not match its name")
+            return None
         result = probe_result_from_dict(data["result"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        problem = entry_problem(result)
+    except Exception as exc:
         _warn(path, f"malformed result: {type(exc).__name__}")
         return None
-    problem = entry_problem(result)
     if problem is not None:  # a damaged or edited entry: never serve a plan from it
         _warn(path, problem)
         return None
@@ -231,14 +231,14 @@ def list_entries(root: Path | None = None) -> list[CacheEntry]:
         data = _read(path)
         if data is None:
             continue
-        result = data.get("result") or {}
-        try:
+        try:  # any content at all, as in load()
+            result = data.get("result") or {}
             entries.append(CacheEntry(
                 path=path, digest=str(data["digest"]), workload=str(result.get("workload", "?")),
                 device=str((result.get("device") or {}).get("name", "?")), max_batch=int(result["max_batch"]),
                 safe_batch=int(result["safe_batch"]), created=float(data.get("created", 0.0)),
             ))
-        except (KeyError, TypeError, ValueError):
+        except Exception:
             _warn(path, "malformed entry")
     return sorted(entries, key=lambda e: e.created, reverse=True)
 

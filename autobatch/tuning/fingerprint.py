@@ -22,6 +22,7 @@ from ..errors import AutobatchError
 from ..modelinfo import require_materialized
 from ..probing.backends import DeviceInfo
 from ..probing.preserve import kept_rng
+from ..probing.samples import check_sample_count
 from ..probing.workload import Workload
 
 __all__ = ["Fingerprint", "fingerprint", "model_signature", "batch_signature", "autobatch_version",
@@ -115,6 +116,13 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.").lower()
 
 
+def _first_batch(workload: Workload) -> Any:
+    """``make_batch(1)``, which must hold one sample (the user's code runs here: errors name it)."""
+    batch = workload.make_batch(1)
+    check_sample_count(batch, 1, workload.make_batch)
+    return batch
+
+
 def fingerprint(
     workload: Workload,
     device: DeviceInfo,
@@ -149,7 +157,7 @@ def fingerprint(
         raise AutobatchError(f"world_size must be a positive integer, but got world_size={world_size!r}")
     with kept_rng():  # a factory's weight init and make_batch(1) draw random numbers: not the user's to lose
         model = require_materialized(_build_for_signature(workload.model))
-        batch = workload.make_batch(1)
+        batch = _first_batch(workload)
     fields: dict[str, Any] = {
         "model": model_signature(model),
         "batch": batch_signature(batch),

@@ -55,7 +55,9 @@ class TuneResult:
     """The fastest plan found, and how it compares with the largest-micro plan ``find`` would pick.
 
     ``speedup`` is ``best / baseline`` samples per second (1.0 when the largest micro batch is
-    the fastest). ``measurements`` holds every timed trial of the study, earlier runs included.
+    the fastest), both timed in this run: a resumed study times its baseline again, since timings
+    from another process are not comparable. ``measurements`` holds every timed trial of the
+    study, earlier runs included.
     """
 
     best: Measurement
@@ -242,9 +244,10 @@ def tune(
                 sampler=optuna.samplers.TPESampler(seed=seed), pruner=SlowerThanBestPruner.create(prune_ratio),
             )
             study.set_user_attr("target", target)
-            seen = {t.params.get("plan") for t in study.get_trials(deepcopy=False)}
-            if baseline.label not in seen:
-                study.enqueue_trial({"plan": baseline.label})
+            # Timings from an earlier run (another process, a cold or busy device) are not compared
+            # with this run's: the baseline is timed again first, and the speed-up uses this run's trials.
+            first_now = len(study.get_trials(deepcopy=False))
+            study.enqueue_trial({"plan": baseline.label})
         models: dict[str, torch.nn.Module] = {}
 
         def objective(trial: Any) -> float:
@@ -253,7 +256,7 @@ def tune(
             trial.set_user_attr("grad_accum", candidate.plan.grad_accum)
             trial.set_user_attr("grad_checkpointing", candidate.grad_checkpointing)
             done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-                    if t.params.get("plan") == candidate.label]
+                    if t.params.get("plan") == candidate.label and t.number >= first_now]
             if done:  # TPE proposes good plans again; a second timing would only add noise
                 trial.set_user_attr("repeat_of", done[0].number)
                 trial.set_user_attr("seconds_per_step", done[0].user_attrs.get("seconds_per_step"))
@@ -264,7 +267,8 @@ def tune(
 
             def report(step: int, rate: float) -> None:
                 trial.report(rate, step)
-                if trial.should_prune():
+                # the baseline is this run's yardstick: it always runs to the end, however busy the device
+                if candidate != baseline and trial.should_prune():
                     raise optuna.TrialPruned(f"{rate:.1f} samples/s is below {prune_ratio:.0%} of the best")
 
             try:
@@ -289,7 +293,8 @@ def tune(
     finally:
         optuna.logging.set_verbosity(verbosity)
     measurements = _measurements(study, by_label)
-    complete = [m for m in measurements if m.state == "COMPLETE" and m.samples_per_second is not None]
+    complete = [m for m in measurements if m.state == "COMPLETE" and m.samples_per_second is not None
+                and m.trial_number >= first_now]
     base = next((m for m in complete if m.candidate == baseline), None)
     if not complete or base is None:
         raise AutobatchError(

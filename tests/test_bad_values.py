@@ -1,0 +1,93 @@
+"""Values no run can use are refused in one line before anything runs: numbers past the bounds torch
+and the OS take, sizes no machine holds, flags that describe nothing in this run; and a line that
+shows a figure agrees with the table beside it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from autobatch.cli import app
+from autobatch.units import format_bytes
+
+HUGE = "99999999999999999999"  # 20 digits: past 2**64
+
+
+def one_line(result, code: int = 2) -> str:
+    assert result.exit_code == code, result.output
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line and "frame #" not in line, line
+    return line
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+# Every whole-number flag of every command, at 20 digits.
+INT_FLAGS = [
+    ("solve", ["--target", "16"], "--max-micro"), ("solve", [], "--target"), ("solve", ["--target", "16"], "--gpus"),
+    ("solve", ["--target", "16"], "--nodes"), ("solve", ["--target", "16"], "--min-micro"),
+    ("solve", ["--target", "16"], "--multiple-of"), ("solve", ["--target", "16"], "--model-parallel"),
+    ("solve", ["--target", "16", "--base-lr", "1e-3"], "--base-batch"),
+    ("check", [], "--micro-batch"), ("check", [], "--grad-accum"), ("check", [], "--target"),
+    ("verify-ga", ["--model", "tiny-mlp", "--grad-accum", "2"], "--micro-batch"),
+    ("verify-ga", ["--model", "tiny-mlp", "--micro-batch", "2"], "--grad-accum"),
+    ("verify-ga", ["--model", "tiny-mlp", "--micro-batch", "2", "--grad-accum", "2"], "--seed"),
+    ("verify-ga", ["--model", "tiny-mlp", "--micro-batch", "2", "--grad-accum", "2"], "--gpus"),
+    ("find", ["--model", "tiny-mlp", "--device", "cpu", "--memory", "1MiB"], "--max-micro"),
+    ("find", ["--model", "tiny-mlp", "--device", "cpu", "--memory", "1MiB"], "--target"),
+    ("find", ["--model", "tiny-gpt2", "--device", "cpu", "--memory", "1MiB"], "--seq-len"),
+    ("estimate", ["--model", "tiny-mlp"], "--gpus"),
+    ("tune", ["--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "1MiB"], "--trials"),
+    ("tune", ["--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "1MiB"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("command, given, flag", INT_FLAGS, ids=[f"{c}{f}" for c, _, f in INT_FLAGS])
+def test_a_twenty_digit_number_is_one_line_naming_the_flag_and_its_bound(command, given, flag):
+    line = one_line(invoke(command, *given, flag, HUGE))
+    assert line.startswith(f"Error: {flag} ") and ("must be ≤" in line or "must be" in line), line
+
+
+def test_numbers_at_the_bound_still_answer():
+    result = invoke("solve", "--target", "16", "--max-micro", str(2**64 - 1))
+    assert result.exit_code == 0 and result.stdout.startswith("16 per GPU × 1 accumulation")
+    result = invoke("verify-ga", "--model", "tiny-mlp", "--micro-batch", "2", "--grad-accum", "2", "--seed", str(2**63 - 1))
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("args, said", [
+    (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", f"{HUGE}GiB"], "--memory is a budget the probe's real steps run in"),
+    (["estimate", "--model", "tiny-mlp", "--gpu-memory", f"{HUGE}GiB"], "--gpu-memory must be at most 4.00 TiB"),
+    (["find", "--model", "tests/data/user_errors.py:linear", "--input-shape", HUGE, "--device", "cpu", "--memory", "1MiB"],
+     "--input-shape must hold at most 2**40 elements per sample"),
+    (["find", "--model", "tiny-mlp", "--input-shape", "3,x", "--device", "cpu", "--memory", "1MiB"],
+     "--input-shape describes the samples of a --model function that returns an nn.Module, but tiny-mlp builds"),
+    (["find", "--model", "tiny-mlp", "--seq-len", "64", "--device", "cpu", "--memory", "1MiB"],
+     "--seq-len is the tokens per sample of a language model, but tiny-mlp takes no sequence length"),
+    (["find", "--model", "tiny-gpt2", "--train-seq-len", "64", "--device", "cpu", "--memory", "8MiB"],
+     "--train-seq-len must be one of the --seq-len values (none given)"),
+    (["find", "--model", "tiny-mlp", "--strategy", "zero2", "--fsdp-unit", "Linear", "--device", "cpu", "--memory", "1MiB"],
+     "the FSDP unit names the block FSDP wraps, but the strategy is zero2"),
+    (["solve", "--target", "16", "--strategy", "ddp,zero2", "--fsdp-unit", "Linear"],
+     "the FSDP unit names the block FSDP wraps, but the strategy is ddp"),
+])
+def test_values_that_describe_nothing_here_are_refused(args, said):
+    assert said in one_line(invoke(*args))
+
+
+def test_the_safe_batch_line_shows_the_peak_the_trial_table_measured():
+    flags = ["find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--max-micro", "10", "--gpus", "2",
+             "--no-cache"]
+    data = json.loads(invoke(*flags, "--json").stdout)
+    text = invoke(*flags).stdout
+    trial = next(t for t in data["trials"] if t["batch"] == data["safe_batch"] and t["fits"])
+    line = next(line for line in text.splitlines() if line.startswith("safe batch"))
+    assert f"{format_bytes(trial['peak_bytes'])} measured + " in line and "DDP's gradient buckets" in line
+    assert "predicted" not in line
+    buckets = data["probe"]["ddp_buckets_bytes"]
+    assert re.search(rf"peak {re.escape(format_bytes(trial['peak_bytes'] + buckets))}:", line)

@@ -1,0 +1,52 @@
+"""Nothing of the user's is lost: every config file a command writes is merged into the one that
+is there, and one path named for two outputs is refused before anything is written."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from autobatch.cli import app
+
+KEYS = {"learning_rate": 0.0003, "output_dir": "runs/x"}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize("command", [
+    ["solve", "--target", "16"],
+    ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "16", "--max-micro", "16"],
+    ["estimate", "--model", "tiny-mlp", "--gpu", "t4", "--target", "16"],
+], ids=["solve", "find", "estimate"])
+@pytest.mark.parametrize("flag, name", [("--hf", "hf.json"), ("--hf", "hf.yaml"), ("--deepspeed", "ds.json"),
+                                        ("--accelerate", "acc.json")])
+def test_an_existing_config_keeps_every_key_the_plan_does_not_decide(command, flag, name, tmp_path):
+    path = tmp_path / name
+    path.write_text(json.dumps(KEYS))  # JSON is YAML too
+    result = invoke(*command, flag, str(path))
+    assert result.exit_code == 0, result.output
+    from autobatch.configs.files import read_config
+
+    kept = read_config(path)
+    assert {k: kept[k] for k in KEYS} == KEYS, kept
+    assert f"updated {path}" in result.stdout and "kept 2 other keys as they were" in result.stdout
+
+
+OUTPUTS = [("--deepspeed", ".json"), ("--accelerate", ".json"), ("--hf", ".json")]
+
+
+@pytest.mark.parametrize("first, second", list(itertools.combinations(OUTPUTS, 2)),
+                         ids=lambda pair: pair[0].strip("-"))
+def test_one_path_for_two_outputs_is_refused_and_the_file_untouched(first, second, tmp_path):
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 2}}))
+    before = same.read_text()
+    result = invoke("solve", "--target", "16", first[0], str(same), second[0], str(same))
+    assert result.exit_code == 2
+    assert f"{first[0]} and {second[0]} name the same file" in result.stderr
+    assert same.read_text() == before

@@ -1,7 +1,7 @@
 """Write a DeepSpeed JSON for 16 GPUs from an autobatch Plan, merged into your template, checked by DeepSpeed.
 
 Run (CPU, a simulated 4 MiB GPU, a few seconds):
-    python recipes/deepspeed_config.py --device cpu --memory 4MiB --gpus-per-node 16 --target 224 --out ds_config.json
+    python recipes/deepspeed_config.py --device cpu --memory 4MiB --gpus 16 --target 224 --out ds_config.json
 On a GPU, drop --device and --memory: the probe measures this card, and the plan assumes every
 GPU of the job is alike. With --max-micro N the probe is skipped and N is the micro-batch limit.
 
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--memory", default=None, help="simulated memory budget per GPU on --device cpu, e.g. 4MiB")
     parser.add_argument("--max-micro", type=int, default=None, help="skip the probe: the largest micro batch allowed")
-    parser.add_argument("--gpus-per-node", type=int, default=16)
+    parser.add_argument("--gpus", type=int, default=16, help="GPUs per node, as autobatch --gpus")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--target", type=int, default=224, help="global batch per optimizer step")
     parser.add_argument("--template", default=str(TEMPLATE), help="the DeepSpeed config to merge into")
@@ -61,10 +61,10 @@ def main() -> None:
 
     try:
         if args.max_micro is not None:
-            plan = autobatch.solve(args.target, args.gpus_per_node, args.nodes, args.max_micro)
+            plan = autobatch.solve(args.target, args.gpus, args.nodes, args.max_micro)
         else:
             source = autobatch.load_model(args.model, seq_len=args.seq_len)
-            finding = autobatch.find_plan(source.to_workload(), target=args.target, gpus_per_node=args.gpus_per_node,
+            finding = autobatch.find_plan(source.to_workload(), target=args.target, gpus_per_node=args.gpus,
                                           nodes=args.nodes, backend=autobatch.make_backend(args.device, args.memory))
             print(finding.probe)
             plan = finding.plan

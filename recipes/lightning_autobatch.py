@@ -2,7 +2,7 @@
 
 Run (CPU, a simulated 240 KiB device for the probe, a few seconds):
     python recipes/lightning_autobatch.py --device cpu --memory 240KiB --target 256 --steps 3
-On GPUs, drop --device and --memory (and add --devices N for DDP: every rank probes, the ranks agree).
+On GPUs, drop --device and --memory (and add --gpus N for DDP: every rank probes, the ranks agree).
 
 What it shows: ``AutoBatch(target=256)`` probes the module's own ``training_step`` and the optimizer
 ``configure_optimizers`` returns at ``on_fit_start``, sets the datamodule's ``batch_size`` (where
@@ -26,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--memory", default=None, help="simulated memory budget on --device cpu, e.g. 240KiB")
-    parser.add_argument("--devices", type=int, default=1, help="devices (ranks) to train on")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) to train on, as autobatch --gpus")
     parser.add_argument("--target", type=int, default=256, help="global batch per optimizer step")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps to train")
     args = parser.parse_args()
@@ -59,7 +59,7 @@ def main() -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     data, callback = Data(), AutoBatch(target=args.target, memory=args.memory, headroom=0)
-    trainer = L.Trainer(accelerator="cpu" if args.device == "cpu" else "auto", devices=args.devices,
+    trainer = L.Trainer(accelerator="cpu" if args.device == "cpu" else "auto", devices=args.gpus,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[callback])
     try:

@@ -7,6 +7,7 @@ nothing probes more than a few tiny batches.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
+from autobatch import AutobatchError
 from autobatch.cli import app
 from autobatch.cli._app import COMMAND_ORDER
 from tests.extras import need
@@ -298,3 +300,25 @@ def test_stored_parameter_counts_are_what_the_models_have():
 
     for name, builtin in BUILTIN_MODELS.items():
         assert builtin.parameters == count_parameters(name), name
+
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.py"))
+# Other spellings of the CLI's concepts: a recipe takes the CLI's own (--gpus, --max-micro, …).
+SYNONYMS = {"--gpus-per-node", "--devices", "--world-size", "--num-gpus", "--nproc", "--max-batch", "--batch-size",
+            "--micro", "--micro-batch-size", "--grad-accumulation", "--accumulation"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipes_spell_each_concept_as_the_cli_does(recipe):
+    flags = set(re.findall(r"add_argument\(\"(--[\w-]+)\"", recipe.read_text()))
+    assert not flags & SYNONYMS, f"{recipe.name} takes {sorted(flags & SYNONYMS)}; use the CLI's flag"
+
+
+def test_the_drop_ins_take_max_micro_and_still_accept_max_batch():
+    from autobatch.integrations._common import max_micro_of
+
+    assert max_micro_of(8, None, "AutoBatch") == 8
+    with pytest.warns(FutureWarning, match="max_batch= is now max_micro="):
+        assert max_micro_of(None, 8, "AutoBatch") == 8
+    with pytest.raises(AutobatchError, match="got both max_micro= and its old name max_batch="):
+        max_micro_of(8, 8, "AutoBatch")

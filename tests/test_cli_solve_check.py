@@ -179,3 +179,27 @@ def test_docs_examples(tmp_path, monkeypatch):
             result = invoke(*argv)
             assert result.exit_code == exit_code, f"autobatch {' '.join(argv)}\n{result.output}"
             assert result.output.rstrip("\n") == shown, f"autobatch {' '.join(argv)}"
+
+
+def test_solve_takes_micro_batch_as_check_and_verify_ga_do():
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    fixed = CliRunner().invoke(app, ["solve", "--target", "224", "--gpus", "16", "--micro-batch", "7", "--json"])
+    assert fixed.exit_code == 0 and (json.loads(fixed.stdout)["micro_batch"], json.loads(fixed.stdout)["grad_accum"]) == (7, 2)
+    none = CliRunner().invoke(app, ["solve", "--target", "224", "--gpus", "16", "--micro-batch", "5"])
+    assert none.exit_code == 2 and "no micro batch (= 5) divides 14" in none.stderr
+    both = CliRunner().invoke(app, ["solve", "--target", "224", "--micro-batch", "7", "--max-micro", "9"])
+    assert both.exit_code == 2 and "--micro-batch fixes the micro batch" in both.stderr
+
+
+def test_solve_without_a_memory_limit_says_nothing_checked_that_it_fits():
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    out = CliRunner().invoke(app, ["solve", "--target", "224"]).stdout
+    assert "no memory limit was given (--max-micro / max_micro)" in out and "`autobatch find` measures" in out
+    limited = CliRunner().invoke(app, ["solve", "--target", "224", "--max-micro", "32"]).stdout
+    assert "no memory limit" not in limited

@@ -200,7 +200,7 @@ def fit_tokens(budget: str | None, guard: bool) -> tuple[TinyLM, AutoBatch, pl.T
 
     torch.manual_seed(0)
     model = TinyLM()
-    callback = AutoBatch(target=16, memory="8MiB", max_batch=8, guard=guard,
+    callback = AutoBatch(target=16, memory="8MiB", max_micro=8, guard=guard,
                          make_batch=lambda b: torch.randint(0, VOCAB, (b, SHORT)))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
@@ -234,7 +234,7 @@ def _ddp_guard_fit(budgets: tuple[str, str]) -> list:
     def fit(budget: str | None):
         torch.manual_seed(0)
         model = TinyLM()
-        callback = AutoBatch(target=32, memory="8MiB", max_batch=8, guard=budget is not None,
+        callback = AutoBatch(target=32, memory="8MiB", max_micro=8, guard=budget is not None,
                              make_batch=lambda b: torch.randint(0, VOCAB, (b, SHORT)))
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -56,8 +56,9 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
 
     if request.mode == "solve":
         strategies = request.strategies
-        plan = solve(request.target, request.gpus_here(), request.nodes, request.max_micro,
-                     min_micro=request.min_micro or 1, multiple_of=request.multiple_of,
+        fixed = request.micro_batch
+        plan = solve(request.target, request.gpus_here(), request.nodes, fixed or request.max_micro,
+                     min_micro=fixed or request.min_micro or 1, multiple_of=request.multiple_of,
                      model_parallel=request.model_parallel, base_lr=request.base_lr, base_batch=request.base_batch)
         return _written(Report(request, plan), strategy=None if strategies is None else strategies[0], into=written)
     if request.mode == "estimate":

@@ -25,7 +25,7 @@ from ..units import parse_bytes
 __all__ = ["Request", "MODES", "MAX_GPU_MEMORY"]
 
 MODES = ("solve", "estimate", "probe")
-_POSITIVE = ("target", "gpus_per_node", "nodes", "model_parallel", "max_micro", "min_micro", "multiple_of",
+_POSITIVE = ("target", "gpus_per_node", "nodes", "model_parallel", "max_micro", "min_micro", "micro_batch", "multiple_of",
              "base_batch", "train_seq_len", "num_classes")
 _OUTPUTS = ("deepspeed", "accelerate", "hf", "plot")
 MAX_GPU_MEMORY = 4 << 40
@@ -50,7 +50,8 @@ class Request:
 
     Plan: ``target`` (the global batch), ``gpus_per_node`` × ``nodes`` ÷ ``model_parallel`` ranks
     (default: the GPUs visible here, or the launcher's), ``max_micro``/``min_micro``/``multiple_of``
-    limit the micro batch, ``base_lr``/``base_batch`` scale the learning rate.
+    limit the micro batch (``micro_batch`` fixes it, for a plan alone), ``base_lr``/``base_batch``
+    scale the learning rate.
 
     Device: ``device``/``memory`` probe a GPU or the CPU against a simulated budget; ``gpu`` or
     ``gpu_memory`` estimate for a named card from a fake-tensor trace. ``estimate=None`` (the
@@ -89,6 +90,7 @@ class Request:
     model_parallel: int = 1
     max_micro: int | None = None
     min_micro: int | None = None
+    micro_batch: int | None = None
     multiple_of: int | None = None
     base_lr: float | None = None
     base_batch: int | None = None
@@ -239,6 +241,12 @@ class Request:
     def _check_limits(self, problems: list[str]) -> None:
         from ..probing.probe import resolve_headroom
 
+        if self.micro_batch is not None and self.model is not None:
+            problems.append(f"{option('micro_batch')} fixes the micro batch of a plan alone, but a probe measures it; "
+                            f"drop {option('micro_batch')}, or cap the probe with {option('max_micro')}")
+        if self.micro_batch is not None and (self.max_micro is not None or self.min_micro is not None):
+            problems.append(f"{option('micro_batch')} fixes the micro batch, so {option('max_micro')} and "
+                            f"{option('min_micro')} have nothing to limit; pass {option('micro_batch')} alone")
         if self.min_micro is not None and self.max_micro is not None and self.max_micro < self.min_micro:
             problems.append(f"{option('max_micro')} ({self.max_micro}) must be at least {option('min_micro')} "
                             f"({self.min_micro}); raise {option('max_micro')} or lower {option('min_micro')}")

@@ -36,14 +36,18 @@ __all__ = ["solve_command", "check_command"]
     "autobatch solve --target 224 --gpus 16 --max-micro 9",
     "autobatch solve --target 256 --gpus 8 --nodes 2 --max-micro 12 --deepspeed ds.json --hf args.json",
     "autobatch solve --target 64 --gpus 8 --max-micro 4 --strategy zero3 --deepspeed ds.json",
+    "autobatch solve --target 224 --gpus 16 --micro-batch 7",
 ])
 def solve_command(
     target: Target,
     gpus: GpusPerNode = 1,
     nodes: Nodes = 1,
     max_micro: MaxMicro = None,
-    min_micro: int = typer.Option(1, "--min-micro", min=1, rich_help_panel="Plan",
-                                  help="Smallest per-GPU batch (2 for a model with BatchNorm)."),
+    min_micro: int | None = typer.Option(None, "--min-micro", min=1, rich_help_panel="Plan", show_default="1",
+                                         help="Smallest per-GPU batch (2 for a model with BatchNorm)."),
+    micro_batch: int | None = typer.Option(None, "--micro-batch", min=1, rich_help_panel="Plan",
+                                           help="Fix the per-GPU batch (instead of --max-micro/--min-micro); "
+                                                "the accumulation follows, or no exact plan is said."),
     multiple_of: MultipleOf = None,
     model_parallel: ModelParallel = 1,
     base_lr: float | None = typer.Option(None, "--base-lr", help="Learning rate tuned at --base-batch."),

@@ -21,11 +21,26 @@ from ..probing.probe import DEFAULT_HEADROOM, probe
 from ..probing.result import ProbeResult
 from ..probing.workload import Workload
 
-__all__ = ["require", "world", "probe_here", "plan_for", "log_main", "batches_from_dataset", "POOL"]
+__all__ = ["require", "world", "probe_here", "plan_for", "log_main", "batches_from_dataset", "POOL", "max_micro_of"]
 
 POOL = 256  # samples collated once for probe batches; larger batches repeat them
 
 log = logging.getLogger("autobatch.integrations")
+
+
+def max_micro_of(max_micro: int | None, max_batch: int | None, where: str) -> int | None:
+    """The cap on the per-device batch: ``max_micro``, as ``--max-micro`` names it everywhere; the
+    earlier ``max_batch=`` still works, with a warning naming the new keyword."""
+    if max_batch is None:
+        return max_micro
+    if max_micro is not None:
+        raise AutobatchError(f"{where} takes max_micro= (the cap on the per-device batch), but got both max_micro= "
+                             "and its old name max_batch=; pass max_micro= alone")
+    import warnings
+
+    warnings.warn(f"{where}: max_batch= is now max_micro=, as --max-micro on the command line", FutureWarning,
+                  stacklevel=3)
+    return max_batch
 
 
 def require(module: str, extra: str, feature: str) -> ModuleType:

@@ -41,7 +41,7 @@ from ..probing.result import ProbeResult
 from ..probing.search import search_max
 from ..probing.trial import Trial, to_device
 from ..probing.workload import Workload, default_loss, resolve_dtype
-from ._common import batches_from_dataset, log_main, plan_for, probe_here, require, world
+from ._common import batches_from_dataset, log_main, max_micro_of, plan_for, probe_here, require, world
 from .hf_guard import GuardedTrainingStep, _check_guardable, guard_trainer
 
 _transformers = require("transformers", "hf", "autobatch.integrations.hf")
@@ -143,7 +143,7 @@ def fit_training_args(args: Any, model: torch.nn.Module, **options: Any) -> Any:
         backend, memory: where to probe: default the CUDA device; ``memory="2GiB"`` simulates a
             budget on the CPU.
         headroom: memory kept free: the micro batch is at most the probe's ``safe_batch``.
-        max_batch: a cap on the per-device batch.
+        max_micro: a cap on the per-device batch (``--max-micro``; ``max_batch=`` is its old name).
         eval_batch: also probe ``per_device_eval_batch_size`` (forward only); else it is set to
             the training micro batch.
 
@@ -176,10 +176,12 @@ def _planned_changes(
     backend: MemoryBackend | None = None,
     memory: int | str | None = None,
     headroom: float | int | str = DEFAULT_HEADROOM,
-    max_batch: int | None = None,
+    max_micro: int | None = None,
     eval_batch: bool = True,
+    max_batch: int | None = None,
 ) -> tuple[dict[str, Any], Plan, ProbeResult]:
     """The changed argument values, the plan and the probe (see :func:`fit_training_args`)."""
+    max_batch = max_micro_of(max_micro, max_batch, "fit_training_args")
     world = args.world_size
     if target is None:
         target = args.per_device_train_batch_size * args.gradient_accumulation_steps * world

@@ -37,7 +37,7 @@ from ..probing.backends import MemoryBackend
 from ..probing.probe import DEFAULT_HEADROOM, make_backend
 from ..probing.result import ProbeResult
 from ..probing.workload import Workload
-from ._common import batches_from_dataset, log_main, plan_for, probe_here, require
+from ._common import batches_from_dataset, log_main, max_micro_of, plan_for, probe_here, require
 
 _pl = require("lightning.pytorch", "lightning", "autobatch.integrations.lightning")
 from lightning.pytorch.utilities.parsing import (
@@ -93,7 +93,7 @@ class AutoBatch(_pl.Callback):
             ``memory`` budget on the CPU.
         memory: a simulated budget (``"2GiB"``) for CPU runs and tests.
         headroom: memory kept free: the plan's micro batch is at most the probe's ``safe_batch``.
-        max_batch: a cap on the per-rank batch.
+        max_micro: a cap on the per-rank batch (``--max-micro``; ``max_batch=`` is its old name).
         make_batch: ``make_batch(b)`` for the probe; default ``b`` samples of the train
             dataloader's dataset collated by its ``collate_fn`` (give the longest samples here when
             lengths vary).
@@ -118,15 +118,17 @@ class AutoBatch(_pl.Callback):
         backend: MemoryBackend | None = None,
         memory: int | str | None = None,
         headroom: float | int | str = DEFAULT_HEADROOM,
-        max_batch: int | None = None,
+        max_micro: int | None = None,
         make_batch: Callable[[int], Any] | None = None,
         guard: bool = False,
         max_splits: int | None = None,
+        max_batch: int | None = None,
     ):
+        max_micro = max_micro_of(max_micro, max_batch, "AutoBatch")
         if target is not None:
             require_positive_int("target", target, fix="pass the global batch, or leave it out to keep the trainer's")
         self.target, self.batch_arg_name, self.backend, self.memory = target, batch_arg_name, backend, memory
-        self.headroom, self.max_batch, self.make_batch = headroom, max_batch, make_batch
+        self.headroom, self.max_micro, self.make_batch = headroom, max_micro, make_batch
         self.use_guard, self.max_splits = bool(guard), max_splits
         self.plan: Plan | None = None
         self.result: ProbeResult | None = None
@@ -174,7 +176,7 @@ class AutoBatch(_pl.Callback):
         quiet = {"log": lambda *a, **k: None, "log_dict": lambda *a, **k: None}
         pl_module.__dict__.update(quiet)  # self.log needs the fit loop's results, which do not exist yet
         try:
-            self.result = probe_here(workload, backend, max_batch=self.max_batch, headroom=self.headroom)
+            self.result = probe_here(workload, backend, max_batch=self.max_micro, headroom=self.headroom)
         finally:
             for name in quiet:
                 pl_module.__dict__.pop(name, None)

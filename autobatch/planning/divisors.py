@@ -149,6 +149,8 @@ class AllowedMicros:
         return bool(self.micros_dividing(k))
 
     def describe(self) -> str:
+        if self.max_micro == self.min_micro and self.multiple_of == 1:
+            return f"= {self.min_micro}"
         parts = [f"≥ {self.min_micro}" if self.min_micro > 1 else "", f"≤ {self.max_micro}" if self.max_micro else ""]
         if self.multiple_of > 1:
             parts.append(f"a multiple of {self.multiple_of}")

@@ -130,7 +130,15 @@ def _hf_model(config: Any, family: str, trust_remote_code: bool = False) -> tupl
     try:
         return tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code), "causal-lm"
     except ValueError:
+        pass
+    try:
         return tf.AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code), "masked-lm"
+    except ValueError:
+        kind = getattr(config, "model_type", type(config).__name__)
+        raise AutobatchError(
+            f"hf: models train as causal or masked language models here, but {kind!r} is neither (a seq2seq, "
+            "vision or other head); build it in your own file and pass --model file.py:fn returning an "
+            "autobatch.Workload with its batches and loss") from None
 
 
 def _max_positions(config: Any) -> int | None:

@@ -196,9 +196,9 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     try:
         with torch.random.fork_rng(devices=[]):
             template = fake_model(workload.model, _mode_of(workload.model) or _new_fake_mode())
-    except Exception as exc:  # any failure only costs the prior
+    except Exception as exc:  # any failure only costs the prior; the probe says why
         log.debug("no trace prior for %s under %s (%s: %s)", workload.name, strategy.label, type(exc).__name__, exc)
-        return None
+        return GuardedPrior.failed(workload.name, exc)
     first = min_batch if min_batch is not None else min_batch_for(template)
 
     def trace(batch: int, record: Any) -> tuple[float, float]:

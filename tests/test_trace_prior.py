@@ -88,13 +88,21 @@ def test_a_model_the_trace_cannot_follow_is_searched_from_its_trials_alone(caplo
     assert not led.probe.trace_led  # one rule for every report: a trace that stopped did not lead
 
 
-def test_a_factory_that_cannot_be_built_on_fake_tensors_gives_no_prior():
+def test_a_factory_that_cannot_be_built_on_fake_tensors_gives_a_prior_that_says_why():
+    import math
+
     def build():
         model = mlp()
         model.load_state_dict({})  # raises (no weights to load), as a loader that needs real files would
         return model
 
-    assert try_trace_prior(Workload(build, lambda b: torch.randn(b, 64))) is None
+    work = Workload(build, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))))
+    prior = try_trace_prior(work)
+    assert math.isnan(prior(4)) and prior.report()["failure"].startswith("RuntimeError: Error(s) in loading")
+    # and a probe it was handed says, in one line, that the trace could not lead and why
+    result = autobatch.probe(Workload(mlp(), work.make_batch), SimulatedBackend("4MiB"), prior=prior, max_batch=8)
+    assert not result.trace_led and result.extra["trace_prior"]["traced_batches"] == []
+    assert "the trace stopped (RuntimeError: Error(s) in loading" in str(result)
 
 
 def test_a_batchnorm_model_is_traced_from_its_smallest_batch():
@@ -171,3 +179,46 @@ def test_find_takes_the_switch():
     assert tried[True] == [1, 320, 321]
     assert tried[False] == [1, 9, 93, 261, 375, 318, 322, 320, 321]
     assert plans[True] == plans[False] and plans[True].micro_batch == 320
+
+
+def _hf_dir(tmp_path, name, config):
+    config.save_pretrained(tmp_path / name)
+    return f"hf:{tmp_path / name}"
+
+
+def test_a_trace_torch_cannot_run_is_one_line_in_the_report_and_nothing_on_stderr(tmp_path):
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    from .extras import need
+
+    transformers = need("transformers")
+    # Mixtral's experts run torch's grouped matmul, which refuses fp32 fake tensors.
+    model = _hf_dir(tmp_path, "mixtral", transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=128, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128))
+    result = CliRunner().invoke(app, ["find", "--model", model, "--device", "cpu", "--memory", "64MiB", "--seq-len", "32",
+                                      "--max-micro", "8", "--no-cache"])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stdout.splitlines() if line.startswith("the trace stopped (")]
+    assert len(said) == 1 and said[0].endswith("the trials searched on alone"), result.stdout
+    assert "failed while attempting to run meta" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name", ["t5", "vit"])
+def test_an_hf_model_with_a_head_autobatch_does_not_build_is_one_line(tmp_path, name):
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    from .extras import need
+
+    transformers = need("transformers")
+    config = (transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=128)
+              if name == "t5" else transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                          num_attention_heads=2, image_size=32, patch_size=8))
+    result = CliRunner().invoke(app, ["find", "--model", _hf_dir(tmp_path, name, config), "--device", "cpu",
+                                      "--memory", "64MiB"])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    assert f"hf: models train as causal or masked language models here, but '{name}' is neither" in result.stderr

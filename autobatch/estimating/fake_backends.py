@@ -9,6 +9,8 @@ as a GPU's fused kernel does, like the trace.
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -77,6 +79,19 @@ class _ZeroScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """torch logs an op its fake tensors cannot run (a kernel with no meta function, a dtype it
+    refuses) at ERROR with the whole traceback; the trace's own failure says it in one line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class _FakeBackend(SimulatedBackend):
     """A backend whose trials run on fake tensors: peaks are exact storage bytes, no budget.
 
@@ -99,6 +114,7 @@ class _FakeBackend(SimulatedBackend):
     @contextmanager
     def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         with ExitStack() as stack:
+            stack.enter_context(_quiet_fake_tensor_log())
             stack.enter_context(self.fake_mode)
             if self.fused_attention:
                 stack.enter_context(_FusedAttention())
@@ -110,6 +126,7 @@ class _FakeBackend(SimulatedBackend):
     @contextmanager
     def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         with ExitStack() as stack:
+            stack.enter_context(_quiet_fake_tensor_log())
             stack.enter_context(self.fake_mode)
             stack.enter_context(_ZeroScalars())
             if self.fused_attention:

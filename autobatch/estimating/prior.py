@@ -173,7 +173,7 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
 
 def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
                     allocator: str = "exact") -> GuardedPrior | None:
-    """:func:`trace_prior`, or ``None`` where the model cannot be copied onto fake tensors.
+    """:func:`trace_prior`, or a prior that says why not where the model cannot be copied onto fake tensors.
 
     A trace that fails later (at some batch) makes the prior answer NaN from then on, which
     the search takes as "no prior" and goes on from its trials alone. Either failure is one
@@ -187,13 +187,20 @@ def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
         >>> math.isnan(prior(4))
         True
     """
+    start = time.perf_counter()
     try:
         prior = trace_prior(workload, min_batch=min_batch, allocator=allocator)
-    except Exception as exc:  # any failure only costs the prior: the trials still answer
+    except Exception as exc:  # any failure only costs the prior: the trials still answer, and say why
         log.debug("no trace prior for %s (%s: %s); the search uses its trials alone",
                   workload.name, type(exc).__name__, exc)
-        return None
+        return GuardedPrior.failed(workload.name, exc, time.perf_counter() - start)
     return guarded_prior(prior, workload.name)
+
+
+def failure_text(exc: BaseException) -> str:
+    """``RuntimeError: the first line of its message`` (at most 160 characters): why a trace stopped."""
+    said = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
 def guarded_prior(prior: Callable[[int], float], name: str) -> GuardedPrior:
@@ -221,13 +228,20 @@ class GuardedPrior:
         try:
             return self._prior(batch)
         except Exception as exc:
-            said = str(exc).splitlines()[0][:160] if str(exc) else ""
-            self.failure = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+            self.failure = failure_text(exc)
             log.debug("the trace of %s failed at batch %d (%s: %s); the search goes on from its trials alone",
                       self.name, batch, type(exc).__name__, exc)
             return math.nan
         finally:
             self.seconds += time.perf_counter() - start
+
+    @classmethod
+    def failed(cls, name: str, exc: BaseException, seconds: float = 0.0) -> GuardedPrior:
+        """A prior whose trace could not even start (the model does not copy onto fake tensors): it
+        answers NaN, and its report says why, so a probe says the trace could not lead."""
+        prior = cls(lambda batch: math.nan, name)
+        prior.failure, prior.seconds = failure_text(exc), seconds
+        return prior
 
     def report(self) -> dict[str, Any] | None:
         """``{"traced_batches", "seconds", "failure"}``, or ``None`` when the search never asked."""

@@ -21,10 +21,13 @@ from typing import Any
 
 from .errors import AutobatchError
 
-__all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "parse_strategy", "parse_strategies",
+__all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies",
            "strategy_from_deepspeed", "strategy_from_accelerate"]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
+# FSDP units of a model with no blocks, by size: torch's size_based_auto_wrap_policy and accelerate's
+# fsdp_min_num_params default. The probe wraps with it and the configs say it.
+SIZE_BASED_MIN_PARAMS = 10**8
 OFFLOADS = ("none", "optimizer", "params")
 _SHARDED = {"ddp": "nothing", "fsdp2": "parameters, gradients, optimizer state",
             "fsdp1": "parameters, gradients, optimizer state", "zero1": "optimizer state",

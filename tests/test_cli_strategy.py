@@ -53,10 +53,12 @@ def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
                  "--no-trace-prior")  # the configs are the point here (the trace's lead: test_sharded_probe.py)
     assert res.exit_code == 0, res.output
     assert "FSDP" in acc.read_text() and "fsdp_version: 2" in acc.read_text()
-    assert json.loads(hf.read_text())["fsdp"] == "full_shard auto_wrap"
-    # the block class the probe wrapped (tiny-mlp has no transformer block: its layers) is named in both
-    assert "fsdp_transformer_layer_cls_to_wrap: Linear" in acc.read_text()
-    assert json.loads(hf.read_text())["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["Linear"]
+    assert json.loads(hf.read_text())["fsdp"] is True
+    # tiny-mlp has no blocks: it was probed wrapped by size, as torch's and accelerate's size-based
+    # policies wrap (one unit under 10**8 parameters), and both files say so rather than wrap each Linear
+    assert "fsdp_auto_wrap_policy: SIZE_BASED_WRAP" in acc.read_text() and "fsdp_min_num_params: 100000000" in acc.read_text()
+    assert "Linear" not in acc.read_text()
+    assert json.loads(hf.read_text())["fsdp_config"]["min_num_params"] == 10**8
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
                  "--strategy", "fsdp2", "--max-batch", "2", "--deepspeed", str(ds))
     assert res.exit_code == 2 and "probed under fsdp2" in res.output

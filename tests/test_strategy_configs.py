@@ -90,15 +90,22 @@ def test_accelerate_with_a_deepspeed_file_reads_the_stage_from_the_file(tmp_path
 def test_hf_arguments_carry_fsdp_or_deepspeed():
     transformers = need("transformers")
     fsdp = hf_training_args(PLAN, strategy=Strategy("fsdp2", unit="GPT2Block"))
-    assert fsdp["fsdp"] == "full_shard auto_wrap"
-    assert fsdp["fsdp_config"] == {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
+    # transformers' current form: fsdp=True, the sharding in fsdp_config ("full_shard auto_wrap" is deprecated)
+    assert fsdp["fsdp"] is True
+    assert fsdp["fsdp_config"] == {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "reshard_after_forward": True}
+    fsdp1 = hf_training_args(PLAN, strategy=Strategy("fsdp1"))["fsdp_config"]
+    assert fsdp1 == {"version": 1, "min_num_params": 10**8, "reshard_after_forward": "full_shard"}  # no block: by size
     zero = hf_training_args(PLAN, strategy=Strategy("zero3"))
     assert zero["deepspeed"]["zero_optimization"] == {"stage": 3}
     assert "--fsdp_config" in hf_flags(PLAN, strategy=Strategy("fsdp2"))
     # Trainer's own argument parser accepts the FSDP values (it builds accelerate's plugin from them)
     parser = transformers.HfArgumentParser(transformers.TrainingArguments)
     (args,) = parser.parse_dict({"output_dir": "out", "use_cpu": True, **fsdp}, allow_extra_keys=False)
-    assert args.fsdp_config["version"] == 2
+    assert args.fsdp is True and args.fsdp_config["version"] == 2
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
+    flags = hf_flags(PLAN, strategy=Strategy("fsdp2", unit="GPT2Block"))
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", "out", "--use_cpu", *flags])
+    assert parsed.fsdp is True and parsed.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
 
 
 def test_a_deepspeed_file_cannot_carry_fsdp():
@@ -120,3 +127,19 @@ def test_importing_deepspeed_for_a_probe_prints_nothing_on_stdout() -> None:
     assert done.stdout == ""
     assert "Setting accelerator" not in done.stderr  # the CPU fallback is on purpose here: not said at all
     assert done.stderr.strip().endswith("True")  # and its handler writes to stdout again afterwards
+
+
+def test_fsdp_units_are_blocks_or_by_size_as_users_wrap():
+    import torch
+
+    from autobatch.distributed.sharding import fsdp_units
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    assert fsdp_units(mlp) == []  # a plain MLP: no blocks, under 10**8 parameters: the root alone
+    model = torch.nn.Module()
+    model.emb, model.head = torch.nn.Embedding(4, 8), torch.nn.Linear(8, 2)
+    model.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3))
+    assert fsdp_units(model) == list(model.blocks)  # the repeated blocks, not the embedding or the head
+    with torch.device("meta"):  # by size: a layer of 10**8 parameters is a unit of its own
+        big = torch.nn.Sequential(torch.nn.Linear(10_000, 10_000), torch.nn.Linear(10, 2))
+    assert fsdp_units(big) == [big[0]]

@@ -19,7 +19,7 @@ import copy
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import Strategy
+from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy
 from .files import read_config, write_config
 
 if TYPE_CHECKING:
@@ -145,13 +145,15 @@ def fsdp_plugin(strategy: Strategy) -> dict[str, Any]:
     version = 2 if strategy.name == "fsdp2" else 1
     section: dict[str, Any] = {
         "fsdp_version": version,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP" if strategy.unit else "SIZE_BASED_WRAP",
         "fsdp_cpu_ram_efficient_loading": True,
         "fsdp_offload_params": False,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
     }
     if strategy.unit:
         section["fsdp_transformer_layer_cls_to_wrap"] = strategy.unit
+    else:  # a model with no blocks was probed wrapped by size (autobatch.distributed.sharding.fsdp_units)
+        section["fsdp_min_num_params"] = SIZE_BASED_MIN_PARAMS
     if version == 2:
         section["fsdp_reshard_after_forward"] = True
     else:

@@ -10,12 +10,12 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import Strategy
+from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
 
-__all__ = ["hf_training_args", "hf_flags"]
+__all__ = ["hf_training_args", "hf_flags", "hf_fsdp"]
 
 
 def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None, *,
@@ -49,12 +49,40 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
         args["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                              "train_batch_size": "auto", "zero_optimization": zero_section(strategy)}
     if strategy is not None and strategy.is_fsdp:
-        fsdp_config: dict[str, Any] = {"version": 2 if strategy.name == "fsdp2" else 1}
-        if strategy.unit:
-            fsdp_config["transformer_layer_cls_to_wrap"] = [strategy.unit]
-        args["fsdp"] = "full_shard auto_wrap"
-        args["fsdp_config"] = fsdp_config
+        args.update(hf_fsdp(strategy))
     return args
+
+
+def hf_fsdp(strategy: Strategy) -> dict[str, Any]:
+    """``fsdp`` and ``fsdp_config`` as the installed transformers reads them: ``fsdp=True`` with the
+    sharding in ``fsdp_config`` (current releases, which deprecate ``"full_shard auto_wrap"``), or
+    that string for releases that predate it. Units: the probed block class, else by size.
+
+    Example:
+        >>> hf_fsdp(Strategy("fsdp2", unit="GPT2Block"))["fsdp_config"]["transformer_layer_cls_to_wrap"]
+        ['GPT2Block']
+    """
+    version = 2 if strategy.name == "fsdp2" else 1
+    config: dict[str, Any] = {"version": version}
+    if strategy.unit:
+        config["transformer_layer_cls_to_wrap"] = [strategy.unit]
+    else:  # a model with no blocks was probed wrapped by size
+        config["min_num_params"] = SIZE_BASED_MIN_PARAMS
+    if not _legacy_fsdp_form():
+        config["reshard_after_forward"] = True if version == 2 else "full_shard"
+        return {"fsdp": True, "fsdp_config": config}
+    return {"fsdp": "full_shard auto_wrap", "fsdp_config": config}
+
+
+def _legacy_fsdp_form() -> bool:
+    """Whether the installed transformers predates ``fsdp=True`` (it then reads only the string form)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return False  # written for the current form
+    from transformers import TrainingArguments
+
+    return not hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config")
 
 
 def hf_flags(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None,
@@ -68,5 +96,8 @@ def hf_flags(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = 
     """
     flags: list[str] = []
     for key, value in hf_training_args(plan, deepspeed_config_file, strategy=strategy).items():
+        if value is True:  # a switch: HfArgumentParser reads `--fsdp` alone as True
+            flags.append(f"--{key}")
+            continue
         flags += [f"--{key}", json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags

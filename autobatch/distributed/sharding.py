@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..errors import AutobatchError
 from ..probing.workload import Workload, make_optimizer
-from ..strategy import Strategy
+from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy
 
 __all__ = ["Wrapped", "wrap_model", "fsdp_units", "with_unit", "local_tensor", "local_bytes"]
 
@@ -87,11 +87,15 @@ def local_bytes(tensors: Any) -> int:
 
 
 def fsdp_units(model: torch.nn.Module, unit: str | None = None) -> list[torch.nn.Module]:
-    """The modules FSDP wraps one by one: ``unit``'s class, else the transformer block.
+    """The modules FSDP wraps one by one: ``unit``'s class, else the transformer block, as users wrap.
 
     The block is what HF models name in ``_no_split_modules`` (``GPT2Block``,
     ``LlamaDecoderLayer``); for other models, the items of the largest ``ModuleList`` or
-    ``Sequential``. Nested matches are left to their outermost unit.
+    ``Sequential`` whose items are blocks (modules of modules). A model with no such blocks (a
+    plain MLP: a ``Sequential`` of layers) is wrapped by size, as torch's
+    ``size_based_auto_wrap_policy`` and accelerate's ``SIZE_BASED_WRAP`` do with their default of
+    10**8 parameters: a small model is one unit, the root. Nested matches are left to their
+    outermost unit.
     """
     names = {unit} if unit else set(getattr(model, "_no_split_modules", None) or ())
     if names:
@@ -102,8 +106,7 @@ def fsdp_units(model: torch.nn.Module, unit: str | None = None) -> list[torch.nn
                 f"the FSDP unit must be a module class in the model, but {unit!r} is not one; "
                 f"pick one of {', '.join(classes[:12])}{' …' if len(classes) > 12 else ''}")
     else:
-        lists = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1]
-        found = list(max(lists, key=len)) if lists else []
+        found = _repeated_blocks(model) or _by_size(model)
     outer: list[torch.nn.Module] = []
     inside = set()
     for module in found:
@@ -112,6 +115,33 @@ def fsdp_units(model: torch.nn.Module, unit: str | None = None) -> list[torch.nn
         outer.append(module)
         inside.update(id(m) for m in module.modules())
     return [m for m in outer if any(True for _ in m.parameters())]
+
+
+def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The items of the largest list of blocks: a ``ModuleList``/``Sequential`` whose items hold modules."""
+    lists = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1
+             and all(any(True for _ in item.children()) for item in m)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def _by_size(model: torch.nn.Module, min_params: int = SIZE_BASED_MIN_PARAMS) -> list[torch.nn.Module]:
+    """Units as a size-based policy makes them: children first, a module whose parameters not yet in
+    a unit reach ``min_params`` becomes one (the root, never listed here, takes the rest)."""
+    units: list[torch.nn.Module] = []
+    claimed: set[int] = set()
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        free = sum(p.numel() for p in module.parameters() if id(p) not in claimed)
+        if free >= min_params:
+            units.append(module)
+            claimed.update(id(p) for p in module.parameters())
+
+    visit(model)
+    return units
 
 
 def _world() -> int:

@@ -29,7 +29,7 @@ def test_find_compares_strategies_one_row_each():
     for row in rows:
         sharding = row["probe"]["sharding"]
         assert sharding["world_size"] == 4
-        assert set(sharding["per_rank"]) == {"parameters", "buffers", "optimizer_state", "gradients", "activations", "peak"}
+        assert set(sharding["per_rank"]) == {"parameters", "buffers", "optimizer_state", "gradients", "activations", "other", "peak"}
     ddp, fsdp2, zero3 = (r["probe"]["sharding"]["per_rank"]["parameters"] for r in rows)
     assert fsdp2 < ddp and zero3 < ddp  # a shard, not the whole model
     # a strategy under which nothing fits is a row of its own

@@ -64,6 +64,18 @@ def test_max_batch_never_shrinks_from_ddp_through_the_zero_stages() -> None:
     assert maxima == sorted(maxima) and maxima[0] < maxima[-1], maxima
 
 
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero2", "zero3"])
+def test_the_per_rank_terms_add_up_to_the_peak_each_counted_once(name) -> None:
+    if name.startswith("zero"):
+        need("deepspeed")
+    result = probe_sharded(sharded_jobs.workload(), SimulatedBackend("400KiB"), name, 4, max_batch=4)
+    terms = dict(result.extra["sharding"]["per_rank"])
+    peak = terms.pop("peak")
+    assert sum(terms.values()) == peak == result.max_trial.reserved_bytes, terms
+    if name == "ddp":  # the gradients backward leaves are their own term, not inside the activations
+        assert terms["gradients"] == terms["parameters"] == 66_560 and terms["buffers"] == 66_560  # DDP's buckets
+
+
 def test_a_model_passed_in_is_bit_identical_and_the_rng_untouched() -> None:
     model = sharded_jobs.blocks()
     before = {k: v.clone() for k, v in model.state_dict().items()}

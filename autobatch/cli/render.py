@@ -77,16 +77,17 @@ def trial_table(finding: Any) -> Any:
 
 
 def strategy_table(rows: Any) -> Any:
-    """Where each rank's memory goes, one row per strategy (measured in the trial at the max batch)."""
+    """Where each rank's memory goes at its peak, one row per strategy (the trial at the max batch):
+    the terms add up to the peak, each counted once (see ``MemoryBreakdown``)."""
     from rich.table import Table
 
-    table = Table(title="per rank, at the max batch", title_justify="left")
-    for column in ("strategy", "ranks", "max", "safe", "parameters", "gradients", "optimizer", "buffers",
-                   "activations", "peak", "shards"):
+    table = Table(title="per rank, at the max batch's peak (the terms add up to it)", title_justify="left")
+    for column in ("strategy", "ranks", "max", "safe", "parameters", "buffers", "optimizer", "gradients",
+                   "activations", "other", "peak", "shards"):
         table.add_column(column, justify="left" if column in ("strategy", "shards") else "right")
     for row in rows:
         if not hasattr(row, "probe"):  # a compared strategy under which nothing fits
-            table.add_row(row.strategy.label, str(row.world_size), "0", "-", "-", "-", "-", "-", "-", "no batch fits",
+            table.add_row(row.strategy.label, str(row.world_size), "0", "-", "-", "-", "-", "-", "-", "-", "no batch fits",
                           row.strategy.sharded)
             continue
         sharding = row.probe.extra.get("sharding", {})
@@ -98,8 +99,8 @@ def strategy_table(rows: Any) -> Any:
         capped = " (cap)" if row.probe.limited_by == "max_batch" else ""  # the cap stopped the search, not memory
         table.add_row(
             row.strategy.label, str(sharding.get("world_size", "-")), f"{row.probe.max_batch}{capped}",
-            str(row.probe.safe_batch), size("parameters"), size("gradients"), size("optimizer_state"),
-            size("buffers"), size("activations"), size("peak"), row.strategy.sharded,
+            str(row.probe.safe_batch), size("parameters"), size("buffers"), size("optimizer_state"),
+            size("gradients"), size("activations"), size("other"), size("peak"), row.strategy.sharded,
         )
     return table
 

@@ -38,17 +38,29 @@ __all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial"]
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Where one rank's memory goes in a step, in bytes (measured, not assumed)."""
+    """Where one rank's memory goes at its peak, in bytes (measured, not assumed); the terms add up to ``peak``.
+
+    Each term is held at the peak, once: nothing is counted in two of them.
+    """
 
     parameters: int         # this rank's parameters (its shard when they are sharded)
-    buffers: int            # what wrapping added besides them: buckets, flat copies, gather buffers
-    optimizer_state: int    # what stays after the first optimizer step
-    gradients: int          # what backward leaves until the step
-    activations: int        # a forward and backward's peak on top: activations, gathered units
-    peak: int
+    buffers: int            # what wrapping added besides them: module buffers, DDP's buckets, flat copies
+    optimizer_state: int    # what the first optimizer step left for good (its state; ZeRO's gradient partitions)
+    gradients: int          # what backward leaves until the step (none under ZeRO-3: reduced into its partitions)
+    activations: int        # the rest at the peak: activations, gathered units, the step's temporaries
+    other: int              # memory held before the wrap, and the allocator's cache and rounding (reserved − allocated)
+    peak: int               # the reserved peak: the sum of the terms above
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def _breakdown(figures: dict[str, int], before: int, peaks: PhasePeaks) -> MemoryBreakdown:
+    """The measured terms, what else the allocated peak held on top of them, and the rest of the reserved peak."""
+    held = sum(figures.values())
+    activations = max(0, peaks.allocated - before - held)
+    return MemoryBreakdown(**figures, activations=activations, other=max(0, peaks.reserved - held - activations),
+                           peak=peaks.reserved)
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,7 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
                     figures["optimizer_state"] = max(0, ahead - before - wrapped_bytes)
                     _step(workload, wrapped, batch_size, backend.device)
                     figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
-                    figures["activations"] = max(0, peaks.read(phase) - ahead)
+                    peaks.read(phase)
                     phase = "optimizer"
                     wrapped.step()
                     peaks.read(phase)
@@ -167,6 +179,6 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
         error=error,
     )
     breakdown = None
-    if len(figures) == 5:
-        breakdown = MemoryBreakdown(peak=peaks.reserved, **figures)
+    if len(figures) == 4:
+        breakdown = _breakdown(figures, before, peaks)
     return ShardedTrial(trial, breakdown, config or {})

@@ -7,71 +7,8 @@
 
 from __future__ import annotations
 
-from .checking.accumulation import (
-    LossNormaliser,
-    count_loss_samples,
-    count_loss_tokens,
-    token_cross_entropy,
-)
-from .checking.problems import CheckResult, Problem
-from .checking.setup import check_setup
-from .checking.ga_sources import verify_model as verify_ga_model
-from .checking.verify_ga import GAVerification, verify_ga
-from .configs import (
-    accelerate_command,
-    accelerate_config,
-    deepspeed_config,
-    hf_flags,
-    hf_training_args,
-    lightning_settings,
-    torchrun_command,
-)
-from .answering import (
-    NoFit,
-    Report,
-    Request,
-    answer,
-    cache_listing,
-    check,
-    clear_cache,
-    find,
-    tune_plans,
-)
-from .distributed.launch import exit_rank, is_launched, process_group, rank_env, spawn_local
-from .distributed.lockstep import probe_distributed
-from .distributed.result import DistributedProbeResult
-from .distributed.simulated_world import probe_sharded
-from .errors import (
-    AutobatchError,
-    ConfigError,
-    MinimumBatchError,
-    MissingDependencyError,
-    NoBatchFitsError,
-    RequestError,
-)
-from .estimating.estimate import Estimate, estimate
-from .estimating.gpus import DEFAULT_GPU, GPUS, GpuSpec, lookup_gpu
-from .estimating.overheads import Overheads
-from .estimating.prior import trace_prior
-from .lengths import LengthRow, LengthTable, probe_lengths
-from .models import list_models, load_model
-from .guard import GuardedStep, OOMGuard
-from .pipeline import Finding, find_plan
-from .planning.plan import LRAdvice, Plan
-from .planning.solver import NoExactPlanError, exact_plans, solve
-from .probing.backends import CudaBackend, DeviceInfo, MemoryBackend, SimulatedBackend
-from .probing.memtrack import MemoryTracker
-from .probing.oom import is_oom_error
-from .probing.probe import make_backend, probe
-from .probing.result import BatchResult, ProbeResult
-from .probing.samples import LongestSample, longest_sample
-from .probing.search import SearchOutcome, search_max
-from .probing.trial import Trial, run_trial
-from .probing.workload import Workload, default_loss
-from .tuning.cache import cached_probe
-from .tuning.tune import TuneResult, tune
-from .strategy import STRATEGIES, Strategy, parse_strategy
-from .units import format_bytes, parse_bytes
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -179,3 +116,114 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
 ]
+
+# Where each public name lives. They are imported on first use (PEP 562), so that `autobatch --help`
+# and a mistyped flag answer without importing torch; `from autobatch import X` works as ever.
+_WHERE: dict[str, tuple[str, str]] = {
+    "AutobatchError": ("errors", "AutobatchError"),
+    "ConfigError": ("errors", "ConfigError"),
+    "MinimumBatchError": ("errors", "MinimumBatchError"),
+    "MissingDependencyError": ("errors", "MissingDependencyError"),
+    "NoBatchFitsError": ("errors", "NoBatchFitsError"),
+    "NoExactPlanError": ("planning.solver", "NoExactPlanError"),
+    "RequestError": ("errors", "RequestError"),
+    "Request": ("answering", "Request"),
+    "Report": ("answering", "Report"),
+    "NoFit": ("answering", "NoFit"),
+    "answer": ("answering", "answer"),
+    "check": ("answering", "check"),
+    "tune_plans": ("answering", "tune_plans"),
+    "cache_listing": ("answering", "cache_listing"),
+    "clear_cache": ("answering", "clear_cache"),
+    "is_oom_error": ("probing.oom", "is_oom_error"),
+    "CudaBackend": ("probing.backends", "CudaBackend"),
+    "DeviceInfo": ("probing.backends", "DeviceInfo"),
+    "MemoryBackend": ("probing.backends", "MemoryBackend"),
+    "SimulatedBackend": ("probing.backends", "SimulatedBackend"),
+    "MemoryTracker": ("probing.memtrack", "MemoryTracker"),
+    "Workload": ("probing.workload", "Workload"),
+    "default_loss": ("probing.workload", "default_loss"),
+    "Trial": ("probing.trial", "Trial"),
+    "run_trial": ("probing.trial", "run_trial"),
+    "SearchOutcome": ("probing.search", "SearchOutcome"),
+    "search_max": ("probing.search", "search_max"),
+    "BatchResult": ("probing.result", "BatchResult"),
+    "ProbeResult": ("probing.result", "ProbeResult"),
+    "make_backend": ("probing.probe", "make_backend"),
+    "probe": ("probing.probe", "probe"),
+    "LengthRow": ("lengths", "LengthRow"),
+    "LengthTable": ("lengths", "LengthTable"),
+    "LongestSample": ("probing.samples", "LongestSample"),
+    "longest_sample": ("probing.samples", "longest_sample"),
+    "probe_lengths": ("lengths", "probe_lengths"),
+    "Plan": ("planning.plan", "Plan"),
+    "LRAdvice": ("planning.plan", "LRAdvice"),
+    "solve": ("planning.solver", "solve"),
+    "exact_plans": ("planning.solver", "exact_plans"),
+    "CheckResult": ("checking.problems", "CheckResult"),
+    "Problem": ("checking.problems", "Problem"),
+    "check_setup": ("checking.setup", "check_setup"),
+    "deepspeed_config": ("configs", "deepspeed_config"),
+    "accelerate_config": ("configs", "accelerate_config"),
+    "hf_training_args": ("configs", "hf_training_args"),
+    "hf_flags": ("configs", "hf_flags"),
+    "lightning_settings": ("configs", "lightning_settings"),
+    "torchrun_command": ("configs", "torchrun_command"),
+    "accelerate_command": ("configs", "accelerate_command"),
+    "load_model": ("models", "load_model"),
+    "list_models": ("models", "list_models"),
+    "Finding": ("pipeline", "Finding"),
+    "find": ("answering", "find"),
+    "find_plan": ("pipeline", "find_plan"),
+    "LossNormaliser": ("checking.accumulation", "LossNormaliser"),
+    "count_loss_samples": ("checking.accumulation", "count_loss_samples"),
+    "count_loss_tokens": ("checking.accumulation", "count_loss_tokens"),
+    "token_cross_entropy": ("checking.accumulation", "token_cross_entropy"),
+    "GAVerification": ("checking.verify_ga", "GAVerification"),
+    "verify_ga": ("checking.verify_ga", "verify_ga"),
+    "verify_ga_model": ("checking.ga_sources", "verify_model"),
+    "OOMGuard": ("guard", "OOMGuard"),
+    "GuardedStep": ("guard", "GuardedStep"),
+    "is_launched": ("distributed.environment", "is_launched"),
+    "exit_rank": ("distributed.environment", "exit_rank"),
+    "process_group": ("distributed.launch", "process_group"),
+    "rank_env": ("distributed.environment", "rank_env"),
+    "spawn_local": ("distributed.launch", "spawn_local"),
+    "DistributedProbeResult": ("distributed.result", "DistributedProbeResult"),
+    "probe_distributed": ("distributed.lockstep", "probe_distributed"),
+    "STRATEGIES": ("strategy", "STRATEGIES"),
+    "Strategy": ("strategy", "Strategy"),
+    "parse_strategy": ("strategy", "parse_strategy"),
+    "probe_sharded": ("distributed.simulated_world", "probe_sharded"),
+    "GPUS": ("estimating.gpus", "GPUS"),
+    "DEFAULT_GPU": ("estimating.gpus", "DEFAULT_GPU"),
+    "GpuSpec": ("estimating.gpus", "GpuSpec"),
+    "lookup_gpu": ("estimating.gpus", "lookup_gpu"),
+    "Overheads": ("estimating.overheads", "Overheads"),
+    "Estimate": ("estimating.estimate", "Estimate"),
+    "estimate": ("estimating.estimate", "estimate"),
+    "trace_prior": ("estimating.prior", "trace_prior"),
+    "cached_probe": ("tuning.cache", "cached_probe"),
+    "TuneResult": ("tuning.tune", "TuneResult"),
+    "tune": ("tuning.tune", "tune"),
+    "format_bytes": ("units", "format_bytes"),
+    "parse_bytes": ("units", "parse_bytes"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        module, attr = _WHERE[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value  # imported once
+        return value
+    try:  # a subpackage: autobatch.probing, autobatch.distributed, …
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

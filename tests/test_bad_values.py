@@ -91,3 +91,19 @@ def test_the_safe_batch_line_shows_the_peak_the_trial_table_measured():
     assert "predicted" not in line
     buckets = data["probe"]["ddp_buckets_bytes"]
     assert re.search(rf"peak {re.escape(format_bytes(trial['peak_bytes'] + buckets))}:", line)
+
+
+@pytest.mark.parametrize("args, said, not_said", [
+    (["find", "--model", "tiny-mlp", "--device", "cpu"], "pass --memory 8GiB with --device cpu", "memory="),
+    (["find", "--model", "tests/data/user_errors.py:linear", "--input-shape", "3,0", "--device", "cpu", "--memory", "1MiB"],
+     "--input-shape must be positive integers", "input_shape"),
+    (["solve", "--target", "224", "--base-lr", "1e-3"], "--base-lr and --base-batch go together", "base_lr="),
+])
+def test_cli_errors_speak_in_flags_not_python(args, said, not_said):
+    line = one_line(invoke(*args))
+    assert said in line and not_said not in line, line
+
+
+def test_check_with_nothing_to_check_names_the_flags():
+    result = invoke("check")
+    assert result.exit_code == 1 and "--target, --micro-batch" in result.stdout

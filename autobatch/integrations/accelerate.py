@@ -9,13 +9,22 @@ and:
 1. runs the function at ``starting_batch_size`` (or the plan's micro batch for ``target``); when
    it completes, that is the answer, exactly as accelerate does (in a process group that batch is
    first a trial, below, that every rank agrees on: no rank may finish alone while another searches);
-2. when that runs out of memory, searches with short *trials*: the function runs until its
-   ``steps``-th optimizer step (a global optimizer hook then stops it), and the library's search
-   (:func:`autobatch.search_max`, fed with the device's peak memory when a backend can measure it)
-   finds the exact largest batch that trains in a few of them; in a process group the ranks
-   agree after every trial, so every rank runs the same batch sizes;
-3. runs the function for real at that batch; with ``target`` (and ``accelerator``) it sets the
-   accelerator's gradient accumulation so that micro batch × accumulation × processes = target.
+2. when that runs out of memory, searches below it with short *trials*: the function runs until
+   its ``steps``-th optimizer step (a global optimizer hook then stops it), and the library's
+   search (:func:`autobatch.search_max`, fed with the device's peak memory when a backend can
+   measure it, and bounded by the batch that just failed) finds the exact largest batch that
+   trains in a few of them; in a process group the ranks agree after every trial, so every rank
+   runs the same batch sizes. A function with no optimizer step (evaluation, inference,
+   generation) runs whole in each trial: the answer is the largest batch whose call completed;
+3. runs the function for real at that batch, unless the trial at it already ran the whole call
+   (then that result is returned, not run again); with ``target`` (and ``accelerator``) it sets
+   the accelerator's gradient accumulation so that micro batch × accumulation × processes = target.
+
+A second call with the same arguments runs once at the batch the first found, as accelerate's
+decorator keeps the batch it came down to. Nothing fitting, and ``starting_batch_size=0``, raise
+accelerate's ``RuntimeError("No executable batch size found, reached zero.")`` when the function
+is called (:class:`NoExecutableBatchSizeError`); passing the batch size raises accelerate's
+``TypeError``; any other error propagates as the same object.
 
 Build the model and optimizer inside the function, as accelerate's own example does: each trial
 then starts from fresh weights. Modules passed as arguments are restored after each trial.
@@ -49,7 +58,7 @@ from torch.optim.optimizer import (
 from ..distributed.launch import DEFAULT_TIMEOUT_S
 from ..distributed.agreement import Comm, agreed_trial, collective, comm_device, share_trial
 from ..distributed.result import RankFailedError
-from ..errors import AutobatchError
+from ..errors import AutobatchError, NoBatchFitsError
 from ..guard import OOMGuard
 from ..planning.plan import Plan, require_positive_int
 from ..planning.solver import solve
@@ -61,7 +70,7 @@ from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
 from ._common import world
 
-__all__ = ["find_executable_batch_size", "TrialStop", "guard"]
+__all__ = ["find_executable_batch_size", "NoExecutableBatchSizeError", "TrialStop", "guard"]
 
 log = logging.getLogger("autobatch.integrations.accelerate")
 
@@ -138,8 +147,10 @@ def find_executable_batch_size(
     Args:
         function: the training function; its first parameter receives the batch size.
         starting_batch_size: the largest batch to run, tried first (as in accelerate).
-        reduce_batch_size_fn: after the search, what a later out-of-memory error in the real run
-            falls back to (no arguments, returns the next batch); default ``0.9 ×``.
+        reduce_batch_size_fn: what a later out-of-memory error in the real run falls back to (no
+            arguments, returns the next batch; default ``0.9 ×``). Unlike accelerate, which calls it
+            on every out-of-memory error, the first one starts the search instead: it is the
+            fallback for a run that fails after the search proved its batch (a rare long batch).
         backend: where trials measure peak memory (default the current CUDA device, none on the
             CPU: the search then bisects on fit / out-of-memory alone, still exactly).
         steps: optimizer steps a trial runs before it is stopped (2: the optimizer state exists
@@ -166,7 +177,8 @@ def find_executable_batch_size(
             reduce_batch_size_fn=reduce_batch_size_fn, backend=backend, steps=steps, target=target,
             accelerator=accelerator, on_trial=on_trial,
         )
-    starting_batch_size = require_positive_int("starting_batch_size", starting_batch_size)
+    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int):
+        require_positive_int("starting_batch_size", starting_batch_size)  # a float or a string: said now
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise AutobatchError(f"steps must be a positive integer, but got steps={steps!r}")
     if target is not None:
@@ -181,12 +193,16 @@ def find_executable_batch_size(
                 f"Batch size was passed into `{function.__name__}` as the first argument when called."
                 f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`"
             )
+        if starting_batch_size < 1:  # as accelerate: said when the function is called, as a RuntimeError
+            raise NoExecutableBatchSizeError(f"starting_batch_size is {starting_batch_size}")
         device = backend if backend is not None else _default_backend()
         comm = Comm(comm_device(device), DEFAULT_TIMEOUT_S) if world()[1] > 1 else None
         processes = accelerator.num_processes if accelerator is not None else world()[1]
         decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
-        searched = False
-        cap = starting_batch_size
+        key = _call_key(args, kwargs)
+        # A second call with the same arguments runs once at what the first one found, as accelerate does.
+        searched = key in decorator.found
+        cap = decorator.found.get(key, starting_batch_size)
         while True:
             batch = cap
             if target is not None:
@@ -201,13 +217,14 @@ def find_executable_batch_size(
             if comm is not None and not searched:
                 # In a process group no rank may run the whole function while another searches: the
                 # starting batch is first a trial whose outcome every rank agrees on.
-                finished: list[Any] = []
+                finished: dict[int, Any] = {}
                 first = _agreed_trial(function, batch, args, kwargs, device, steps, finished, comm)
                 decorator.trials = (first,)
                 if on_trial is not None:
                     on_trial(first)
-                if finished:
-                    return finished[0]
+                if batch in finished:
+                    decorator.found[key] = batch
+                    return finished[batch]
                 if first.fits:
                     decorator.batch_sizes.append(batch)  # the real run, next
                 else:
@@ -216,7 +233,9 @@ def find_executable_batch_size(
                 try:
                     # Under the backend's accounting, so that a simulated budget limits the run too.
                     with device.track([]) if device is not None else nullcontext():
-                        return function(batch, *args, **kwargs)
+                        result = function(batch, *args, **kwargs)
+                    decorator.found[key] = batch
+                    return result
                 except Exception as exc:
                     if not is_oom_error(exc):
                         raise
@@ -227,31 +246,45 @@ def find_executable_batch_size(
                 log.warning("autobatch: batch %d ran out of memory (%s); searching below it with %d-step trials",
                             batch, line, steps)
                 if batch <= 1:
-                    raise AutobatchError(
-                        "even a batch of 1 runs out of memory; use a shorter sequence, bf16, gradient "
-                        "checkpointing, a smaller model or a larger device")
-                outcome, finished = _search(function, args, kwargs, device, batch - 1, steps, on_trial,
+                    raise NoExecutableBatchSizeError("even a batch of 1 runs out of memory")
+                outcome, finished = _search(function, args, kwargs, device, batch, steps, on_trial,
                                             decorator.batch_sizes, comm)
                 decorator.trials = (*decorator.trials, *outcome.trials)
-                if finished:  # the function ended before its steps-th optimizer step: that was the run
-                    log.info("autobatch: the function finished within its trial at batch %d", outcome.trials[-1].batch)
-                    return finished[0]
                 if outcome.max_batch == 0:
-                    raise AutobatchError(
-                        "no executable batch size found: even a batch of 1 runs out of memory "
-                        f"({len(outcome.trials)} trials); use a shorter sequence, bf16, gradient checkpointing, "
-                        "a smaller model or a larger device")
+                    raise NoExecutableBatchSizeError(f"even a batch of 1 runs out of memory ({len(outcome.trials)} trials)")
                 cap = outcome.max_batch
+                decorator.found[key] = cap
                 log.info("autobatch: the largest batch that trains is %d (%d trials: %s)", cap, len(outcome.trials),
                          ", ".join(f"{t.batch}{'✓' if t.fits else '✗'}" for t in outcome.trials))
+                if cap in finished and target is None:
+                    # The trial at the answer ran the whole function (one with no optimizer step, or
+                    # fewer than ``steps``): that call was the run, and its result is the answer's.
+                    log.info("autobatch: the function finished within its trial at batch %d", cap)
+                    return finished[cap]
             else:
                 cap = reduce_batch_size_fn() if reduce_batch_size_fn is not None else int(batch * 0.9)
                 log.warning("autobatch: the run at batch %d ran out of memory later (%s); retrying at %d", batch, line, cap)
                 if cap < 1:
-                    raise RuntimeError("No executable batch size found, reached zero.")
+                    raise NoExecutableBatchSizeError(f"the run at batch {batch} ran out of memory later, and "
+                                                     "reduce_batch_size_fn reached zero")
 
     decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
+    decorator.found = {}
     return decorator
+
+
+class NoExecutableBatchSizeError(NoBatchFitsError, RuntimeError):
+    """Nothing fits, worded as accelerate words it ("No executable batch size found, reached zero."),
+    and a ``RuntimeError`` as accelerate raises it, so code written for accelerate catches it."""
+
+    def __init__(self, why: str):
+        super().__init__(f"No executable batch size found, reached zero. ({why}; use a shorter sequence, bf16, "
+                         "gradient checkpointing, a smaller model or a larger device)")
+
+
+def _call_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The same arguments: the same objects, in the same places."""
+    return (tuple(id(a) for a in args), tuple((k, id(v)) for k, v in sorted(kwargs.items())))
 
 
 def guard(accelerator: Any, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], Any], **options: Any) -> OOMGuard:
@@ -289,14 +322,13 @@ def _plan(target: int, processes: int, cap: int) -> Plan:
 
 def _search(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], backend: MemoryBackend | None,
-    cap: int, steps: int, on_trial: Callable[[Trial], None] | None, called: list[int], comm: Comm | None = None,
-) -> tuple[SearchOutcome, list[Any]]:
-    """The search's outcome, and ``[result]`` when a trial ran the function to its end (then the search stopped)."""
-    finished: list[Any] = []
+    fails_at: int, steps: int, on_trial: Callable[[Trial], None] | None, called: list[int], comm: Comm | None = None,
+) -> tuple[SearchOutcome, dict[int, Any]]:
+    """The search's outcome below ``fails_at`` (the batch that just ran out of memory), and the
+    result of every trial that ran the function to its end, by batch."""
+    finished: dict[int, Any] = {}
 
     def run(batch: int) -> Trial:
-        if finished:  # stop the search at once: a returned function is not run again
-            raise _Finished
         called.append(batch)
         trial = _agreed_trial(function, batch, args, kwargs, backend, steps, finished, comm)
         if on_trial is not None:
@@ -308,22 +340,13 @@ def _search(
         smallest = torch.tensor([capacity], dtype=torch.float64, device=comm.device)
         capacity = int(collective(comm, "agreeing on capacity", lambda: dist.all_reduce(
             smallest, op=dist.ReduceOp.MIN, async_op=True), lambda: smallest.item()))
-    trials: list[Trial] = []
-
-    def recorded(batch: int) -> Trial:
-        trials.append(run(batch))
-        return trials[-1]
-
-    try:
-        with frozen_heap():  # each trial's collection on a GPU walks only what the trials made
-            return search_max(recorded, capacity, max_batch=cap), finished
-    except _Finished:
-        return SearchOutcome(trials[-1].batch, "memory", tuple(trials)), finished
+    with frozen_heap():  # each trial's collection on a GPU walks only what the trials made
+        return search_max(run, capacity, max_batch=fails_at - 1, fails_at=fails_at), finished
 
 
 def _agreed_trial(
     function: Callable[..., Any], batch: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    backend: MemoryBackend | None, steps: int, finished: list[Any], comm: Comm | None,
+    backend: MemoryBackend | None, steps: int, finished: dict[int, Any], comm: Comm | None,
 ) -> Trial:
     """This rank's trial, or in a process group the trial every rank agrees on (collective).
 
@@ -348,13 +371,9 @@ def _agreed_trial(
     return agreed_trial(batch, [replace(t, batch=batch) for t in shared])
 
 
-class _Finished(Exception):
-    """A trial ran the function to its end; the search stops."""
-
-
 def _trial(
     function: Callable[..., Any], batch: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    backend: MemoryBackend | None, steps: int, modules: list[torch.nn.Module], finished: list[Any],
+    backend: MemoryBackend | None, steps: int, modules: list[torch.nn.Module], finished: dict[int, Any],
 ) -> Trial:
     counter = _StepCounter(steps, backend)
     error = None
@@ -368,7 +387,7 @@ def _trial(
             stack.enter_context(backend.track([]))
         handles = (register_optimizer_step_pre_hook(counter.before), register_optimizer_step_post_hook(counter))
         try:
-            finished.append(function(batch, *args, **kwargs))
+            finished[batch] = function(batch, *args, **kwargs)
         except TrialStop:
             pass
         except Exception as exc:

@@ -294,6 +294,7 @@ def search_max(
     min_batch: int = 1,
     max_batch: int | None = None,
     prior: Curve | None = None,
+    fails_at: int | None = None,
 ) -> SearchOutcome:
     """Find the largest batch ``b`` (``min_batch ≤ b ≤ max_batch``) for which ``run(b).fits``.
 
@@ -307,6 +308,9 @@ def search_max(
             trace (:func:`autobatch.trace_prior`); calibrated to the trials as they come, so a
             constant or proportional error in it costs nothing. A prior that answers NaN (its
             trace failed) is dropped, and the search goes on from its trials alone.
+        fails_at: a batch already known to fail (one that just ran out of memory): the search
+            stays below it and, with nothing else to go on (pass/fail trials), bisects toward it
+            instead of doubling up to it.
 
     Example:
         >>> from autobatch.probing.trial import Trial
@@ -318,4 +322,7 @@ def search_max(
         [1, 128, 129]
     """
     cap = HARD_MAX_BATCH if max_batch is None else max_batch
-    return _Search(run, capacity, min_batch, cap, prior).search()
+    search = _Search(run, capacity, min_batch, cap, prior)
+    if fails_at is not None:
+        search.hi = max(min_batch, fails_at)
+    return search.search()

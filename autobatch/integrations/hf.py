@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import gc
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ import torch
 
 from ..errors import AutobatchError
 from ..planning.plan import Plan, require_positive_int
+from ..planning.solver import solve
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
 from ..probing.heap import frozen_heap
@@ -144,6 +147,8 @@ def fit_training_args(args: Any, model: torch.nn.Module, **options: Any) -> Any:
             budget on the CPU.
         headroom: memory kept free: the micro batch is at most the probe's ``safe_batch``.
         max_micro: a cap on the per-device batch (``--max-micro``; ``max_batch=`` is its old name).
+        loss_fn: ``loss_fn(model, batch)`` when the model's output holds no loss the Trainer would
+            take (default: ``outputs["loss"]``, or the first item of a tuple, as the Trainer reads it).
         eval_batch: also probe ``per_device_eval_batch_size`` (forward only); else it is set to
             the training micro batch.
 
@@ -178,6 +183,7 @@ def _planned_changes(
     headroom: float | int | str = DEFAULT_HEADROOM,
     max_micro: int | None = None,
     eval_batch: bool = True,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
     max_batch: int | None = None,
 ) -> tuple[dict[str, Any], Plan, ProbeResult]:
     """The changed argument values, the plan and the probe (see :func:`fit_training_args`)."""
@@ -190,14 +196,14 @@ def _planned_changes(
     cls, kwargs = _transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     checkpointing = bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False))
-    workload = Workload(model, make, optimizer=lambda params: cls(params, **kwargs), dtype=dtype,
+    workload = Workload(model, make, loss_fn=loss_fn, optimizer=lambda params: cls(params, **kwargs), dtype=dtype,
                         grad_checkpointing=checkpointing, name=type(model).__name__)
     backend = backend or make_backend(_device_of(model, args), memory)
     result = probe_here(workload, backend, max_batch=max_batch, headroom=headroom)
     plan = plan_for(result, target, world)
     evaluation = plan.micro_batch
     if eval_batch:  # each rank's own forward-only probe; every rank takes the smallest
-        evaluation = _smallest_on_any_rank(probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch), backend)
+        evaluation = _smallest_on_any_rank(probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch, loss_fn=loss_fn), backend)
     changes: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -256,13 +262,23 @@ class AutoBatchCallback(_transformers.TrainerCallback):
         self.result: ProbeResult | None = None
         self.guard: GuardedTrainingStep | None = None
 
-    def attach(self, trainer: Any) -> Any:
+    def attach(self, trainer: Any, resume_from_checkpoint: str | None = None) -> Any:
+        """Probe and plan for ``trainer`` (or, resuming, take the batch the checkpoint trained with), then register.
+
+        ``resume_from_checkpoint``: the checkpoint ``trainer.train`` will resume from: its
+        ``train_batch_size`` is kept (no probe), with the accumulation that keeps the global
+        batch, so a resumed run trains on as it did.
+        """
         if self.use_guard:  # before any trial
             _check_guardable(trainer)
-        changes, self.plan, self.result = _planned_changes(
-            trainer.args, trainer.model, sample=self.sample, data_collator=trainer.data_collator,
-            train_dataset=trainer.train_dataset, target=self.target, **self.options,
-        )
+        if resume_from_checkpoint is not None:
+            changes, self.plan = _resumed(trainer.args, resume_from_checkpoint, self.target)
+            self.result = None
+        else:
+            changes, self.plan, self.result = _planned_changes(
+                trainer.args, trainer.model, sample=self.sample, data_collator=trainer.data_collator,
+                train_dataset=trainer.train_dataset, target=self.target, **self.options,
+            )
         # In place: the Trainer's accelerator was built with these arguments; a copy would set up
         # its devices again and reset the accelerator's state under it.
         changes.pop("deepspeed", None)
@@ -280,6 +296,7 @@ class AutoBatchCallback(_transformers.TrainerCallback):
             propagate_args_to_deepspeed(trainer.accelerator, trainer.args)
         if self.use_guard:
             self.guard = guard_trainer(trainer, max_splits=self.max_splits)
+        _retry_smaller(trainer, self)
         trainer.add_callback(self)
         return trainer
 
@@ -299,3 +316,46 @@ class AutoBatchCallback(_transformers.TrainerCallback):
             )
         log_main(log, "autobatch: training with %s", self.plan)
 
+
+
+def _resumed(args: Any, checkpoint: str, target: int | None) -> tuple[dict[str, Any], Plan]:
+    """The batch a checkpoint trained with (its ``trainer_state.json``), planned for the same global batch."""
+    state = _transformers.TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+    micro = state.train_batch_size
+    if micro is None:
+        raise AutobatchError(f"{checkpoint} records no train_batch_size; attach without resume_from_checkpoint to probe")
+    world = args.world_size
+    target = target or args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    plan = solve(target, gpus_per_node=world, max_micro=micro, min_micro=micro)
+    log_main(log, "autobatch: resuming %s with its batch: %s", checkpoint, plan)
+    return {"per_device_train_batch_size": plan.micro_batch, "gradient_accumulation_steps": plan.grad_accum}, plan
+
+
+def _retry_smaller(trainer: Any, callback: AutoBatchCallback) -> None:
+    """Out of memory anywhere in a step (the forward, a callback at its end): train again from the
+    start at the next smaller micro batch, with the accumulation that keeps the global batch, as
+    the Trainer's ``auto_find_batch_size`` restarts its loop (which halves the batch and leaves
+    the accumulation, so the global batch changes)."""
+    inner = trainer._inner_training_loop
+
+    @functools.wraps(inner)
+    def retrying(*args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                return inner(*args, **{**kwargs, "batch_size": callback.plan.micro_batch})
+            except Exception as exc:
+                if not is_oom_error(exc) or callback.plan.micro_batch <= 1:
+                    raise
+                before = callback.plan
+                callback.plan = solve(before.global_batch, gpus_per_node=before.world_size,
+                                      max_micro=before.micro_batch - 1)
+                log_main(log, "autobatch: out of memory in a step at micro batch %d (%s); training again with %s",
+                         before.micro_batch, oom_message(exc, 120), callback.plan)
+                trainer.args.per_device_train_batch_size = callback.plan.micro_batch
+                trainer.args.gradient_accumulation_steps = callback.plan.grad_accum
+                trainer._train_batch_size = trainer.args.train_batch_size
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+
+    trainer._inner_training_loop = retrying

@@ -38,7 +38,7 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """
     if isinstance(batch, dict):
         out = model(**batch)
-        loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+        loss = _loss_of(out)
         if loss is None:
             raise AutobatchError(
                 "default_loss needs the model to return a loss when the batch is a dict, but it returned none; "
@@ -57,12 +57,23 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     out = model(batch)
     if isinstance(out, torch.Tensor):
         return out.float().mean()
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    loss = _loss_of(out)
     if loss is None:
         raise AutobatchError(
             f"default_loss needs model(batch) to return a tensor or an object with a loss, but it returned "
             f"{type(out).__name__}; pass loss_fn=…"
         )
+    return loss
+
+
+def _loss_of(out: Any) -> torch.Tensor | None:
+    """The loss in a model's output, as the HF Trainer reads it: ``out["loss"]`` (or ``out.loss``),
+    else the first item of a tuple (``(loss, logits)``, what models return with ``return_dict=False``)."""
+    if isinstance(out, dict):
+        return out.get("loss")
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].numel() == 1:
+        return out[0]
     return loss
 
 

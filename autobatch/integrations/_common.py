@@ -6,6 +6,7 @@ import importlib
 import itertools
 import logging
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -17,11 +18,16 @@ from ..errors import AutobatchError, MissingDependencyError
 from ..planning.plan import Plan
 from ..planning.solver import solve
 from ..probing.backends import MemoryBackend
+from ..probing.heap import frozen_heap
+from ..probing.oom import is_oom_error, oom_message
+from ..probing.preserve import borrowed_model
 from ..probing.probe import DEFAULT_HEADROOM, probe
 from ..probing.result import ProbeResult
-from ..probing.workload import Workload
+from ..probing.search import search_max
+from ..probing.trial import Trial, to_device
+from ..probing.workload import Workload, default_loss, resolve_dtype
 
-__all__ = ["require", "world", "probe_here", "plan_for", "log_main", "batches_from_dataset", "POOL", "max_micro_of"]
+__all__ = ["require", "world", "probe_here", "plan_for", "log_main", "batches_from_dataset", "POOL", "max_micro_of", "probe_eval_batch"]
 
 POOL = 256  # samples collated once for probe batches; larger batches repeat them
 
@@ -119,3 +125,42 @@ def batches_from_dataset(dataset: Any, collate: Callable[[list[Any]], Any], pool
         return value
 
     return lambda b: take(collated, torch.arange(b) % n)
+
+
+def probe_eval_batch(
+    model: torch.nn.Module,
+    make_batch: Callable[[int], Any],
+    backend: MemoryBackend,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_batch: int | None = None,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
+) -> int:
+    """The exact largest evaluation batch: forward passes under ``no_grad`` in eval mode, same search as training."""
+    autocast_dtype = resolve_dtype(dtype)
+
+    def run(batch_size: int) -> Trial:
+        error = None
+        backend.release()
+        resident = list(lent.parameters()) + list(lent.buffers())
+        with backend.track(resident):
+            try:
+                batch = to_device(make_batch(batch_size), backend.device)
+                autocast = (torch.autocast(backend.device.type, dtype=autocast_dtype)
+                            if autocast_dtype is not None else nullcontext())
+                with torch.no_grad(), autocast:
+                    loss_fn(lent, batch)
+                del batch
+            except Exception as exc:
+                if not is_oom_error(exc):
+                    raise
+                error = oom_message(exc)
+            peak = backend.peak()
+        backend.release()
+        return Trial(batch_size, error is None, peak.allocated, peak.reserved, peak.reserved, peak.reserved,
+                     resident_bytes=backend.allocated_bytes() if error is None else None, error=error)
+
+    with frozen_heap(), borrowed_model(model, backend.device) as lent:  # each trial's collection: the probe's objects only
+        lent.eval()
+        outcome = search_max(run, backend.capacity(), max_batch=max_batch)
+    return outcome.max_batch

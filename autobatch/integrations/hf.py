@@ -27,7 +27,6 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -37,14 +36,10 @@ from ..planning.plan import Plan, require_positive_int
 from ..planning.solver import solve
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
-from ..probing.heap import frozen_heap
-from ..probing.preserve import borrowed_model
 from ..probing.probe import DEFAULT_HEADROOM, make_backend
 from ..probing.result import ProbeResult
-from ..probing.search import search_max
-from ..probing.trial import Trial, to_device
-from ..probing.workload import Workload, default_loss, resolve_dtype
-from ._common import batches_from_dataset, log_main, max_micro_of, plan_for, probe_here, require, world
+from ..probing.workload import Workload, default_loss
+from ._common import batches_from_dataset, log_main, max_micro_of, plan_for, probe_eval_batch, probe_here, require, world
 from .hf_guard import GuardedTrainingStep, _check_guardable, guard_trainer
 
 _transformers = require("transformers", "hf", "autobatch.integrations.hf")
@@ -90,45 +85,6 @@ def deepspeed_batch_config(config: Any, plan: Plan) -> dict[str, Any] | None:
         if key in changed and changed[key] != "auto":
             changed[key] = value
     return changed if changed != config else None
-
-
-def probe_eval_batch(
-    model: torch.nn.Module,
-    make_batch: Callable[[int], Any],
-    backend: MemoryBackend,
-    *,
-    dtype: str | torch.dtype | None = None,
-    max_batch: int | None = None,
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss,
-) -> int:
-    """The exact largest evaluation batch: forward passes under ``no_grad`` in eval mode, same search as training."""
-    autocast_dtype = resolve_dtype(dtype)
-
-    def run(batch_size: int) -> Trial:
-        error = None
-        backend.release()
-        resident = list(lent.parameters()) + list(lent.buffers())
-        with backend.track(resident):
-            try:
-                batch = to_device(make_batch(batch_size), backend.device)
-                autocast = (torch.autocast(backend.device.type, dtype=autocast_dtype)
-                            if autocast_dtype is not None else nullcontext())
-                with torch.no_grad(), autocast:
-                    loss_fn(lent, batch)
-                del batch
-            except Exception as exc:
-                if not is_oom_error(exc):
-                    raise
-                error = oom_message(exc)
-            peak = backend.peak()
-        backend.release()
-        return Trial(batch_size, error is None, peak.allocated, peak.reserved, peak.reserved, peak.reserved,
-                     resident_bytes=backend.allocated_bytes() if error is None else None, error=error)
-
-    with frozen_heap(), borrowed_model(model, backend.device) as lent:  # each trial's collection: the probe's objects only
-        lent.eval()
-        outcome = search_max(run, backend.capacity(), max_batch=max_batch)
-    return outcome.max_batch
 
 
 def fit_training_args(args: Any, model: torch.nn.Module, **options: Any) -> Any:

@@ -37,7 +37,7 @@ from ..probing.backends import MemoryBackend
 from ..probing.probe import DEFAULT_HEADROOM, make_backend
 from ..probing.result import ProbeResult
 from ..probing.workload import Workload
-from ._common import batches_from_dataset, log_main, max_micro_of, plan_for, probe_here, require
+from ._common import batches_from_dataset, log_main, max_micro_of, plan_for, probe_eval_batch, probe_here, require
 
 _pl = require("lightning.pytorch", "lightning", "autobatch.integrations.lightning")
 from lightning.pytorch.utilities.parsing import (
@@ -45,8 +45,11 @@ from lightning.pytorch.utilities.parsing import (
     lightning_hasattr,
     lightning_setattr,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-__all__ = ["AutoBatch"]
+__all__ = ["AutoBatch", "MODES"]
+
+MODES = ("keep", "max")
 
 log = logging.getLogger("autobatch.integrations.lightning")
 
@@ -69,6 +72,17 @@ class _TrainingStep(torch.nn.Module):
                 f"{type(out).__name__}; return the loss, or pass make_batch=… and probe with autobatch.probe"
             )
         return loss
+
+
+class _StageStep(torch.nn.Module):
+    """A LightningModule's ``validation_step``/``test_step``/``predict_step`` as a module's forward."""
+
+    def __init__(self, module: Any, step: str):
+        super().__init__()
+        self.module, self.step = module, step
+
+    def forward(self, batch: Any) -> Any:
+        return getattr(self.module, self.step)(batch, 0)
 
 
 def _same_optimizer(optimizer: torch.optim.Optimizer) -> Callable[[Any], torch.optim.Optimizer]:
@@ -103,6 +117,16 @@ class AutoBatch(_pl.Callback):
             (the pieces are weighted by their sample counts). One device or ``ddp``, automatic
             optimization, no fp16 grad scaler. The splits are kept in ``callback.guard.history``.
         max_splits: with ``guard``, the most micro-batches one batch may be cut into.
+        mode: ``"keep"`` (default) keeps the global batch: the micro batch that fits, and the
+            accumulation that makes up the rest; ``"max"`` sets the largest safe batch and leaves
+            ``accumulate_grad_batches`` as it is, as ``BatchSizeFinder`` does.
+        steps_per_trial: optimizer steps per trial (as ``BatchSizeFinder``'s; 2 is the least that
+            holds the optimizer's state, and enough: the search is exact without more).
+
+    ``trainer.validate``/``test``/``predict`` set the stage's own batch: the exact largest one under
+    ``torch.no_grad()``, in ``callback.eval_batch``. ``BatchSizeFinder``'s ``init_val`` and
+    ``max_trials`` have no counterpart: the search starts at the smallest batch to prove a fit and
+    ends when the largest fits and the next fails, in a few trials (see docs/integrations.md).
 
     Example::
 
@@ -122,9 +146,18 @@ class AutoBatch(_pl.Callback):
         make_batch: Callable[[int], Any] | None = None,
         guard: bool = False,
         max_splits: int | None = None,
+        mode: str = "keep",
+        steps_per_trial: int = 2,
         max_batch: int | None = None,
     ):
         max_micro = max_micro_of(max_micro, max_batch, "AutoBatch")
+        if mode not in MODES:
+            raise AutobatchError(f"mode must be one of {', '.join(MODES)}, but got {mode!r}; 'keep' keeps the global "
+                                 "batch (the default), 'max' sets the largest batch that fits, as BatchSizeFinder does")
+        if isinstance(steps_per_trial, bool) or not isinstance(steps_per_trial, int) or steps_per_trial < 2:
+            raise AutobatchError(f"steps_per_trial must be an integer ≥ 2 (the optimizer's state appears at the first "
+                                 f"step), but got {steps_per_trial!r}")
+        self.mode, self.steps_per_trial = mode, steps_per_trial
         if target is not None:
             require_positive_int("target", target, fix="pass the global batch, or leave it out to keep the trainer's")
         self.target, self.batch_arg_name, self.backend, self.memory = target, batch_arg_name, backend, memory
@@ -132,17 +165,25 @@ class AutoBatch(_pl.Callback):
         self.use_guard, self.max_splits = bool(guard), max_splits
         self.plan: Plan | None = None
         self.result: ProbeResult | None = None
+        self.eval_batch: int | None = None
         self.guard: OOMGuard | None = None
         self._steps: _GuardedSteps | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
-        if stage not in (None, "fit"):
-            return
         if not lightning_hasattr(pl_module, self.batch_arg_name):
             raise AutobatchError(
                 f"AutoBatch sets the batch size in {self.batch_arg_name!r}, but neither the model, its hparams nor "
                 "the datamodule has it; add self.batch_size and use it in train_dataloader(), or pass batch_arg_name=…"
             )
+        if (hasattr(pl_module, self.batch_arg_name) and hasattr(pl_module, "hparams")
+                and self.batch_arg_name in pl_module.hparams):  # Lightning's own warning, word for word
+            rank_zero_warn(
+                f"Field `model.{self.batch_arg_name}` and `model.hparams.{self.batch_arg_name}` are mutually"
+                f" exclusive! `model.{self.batch_arg_name}` will be used as the initial batch size for scaling."
+                " If this is not the intended behavior, please remove either one."
+            )
+        if stage not in (None, "fit"):
+            return  # validate, test, predict: the evaluation batch, searched when their loop starts
         if not trainer.fit_loop._data_source.is_module():
             raise AutobatchError(
                 "AutoBatch sets the batch size where train_dataloader() reads it, but the dataloaders were passed to "
@@ -169,7 +210,7 @@ class AutoBatch(_pl.Callback):
         make_batch = self.make_batch or batches_from_dataset(loader.dataset, loader.collate_fn)
         workload = Workload(
             _TrainingStep(pl_module), make_batch, loss_fn=lambda step, batch: step(batch),
-            optimizer=_same_optimizer(trainer.optimizers[0]),
+            optimizer=_same_optimizer(trainer.optimizers[0]), steps=self.steps_per_trial,
             dtype=_DTYPES.get(str(trainer.precision)), name=type(pl_module).__name__,
         )
         backend = self.backend or make_backend(pl_module.device, self.memory)
@@ -180,7 +221,11 @@ class AutoBatch(_pl.Callback):
         finally:
             for name in quiet:
                 pl_module.__dict__.pop(name, None)
-        self.plan = plan_for(self.result, target, world)
+        if self.mode == "max":  # as BatchSizeFinder: the largest batch (the safe one), accumulation as it was
+            micro = self.result.safe_batch
+            self.plan = plan_for(self.result, micro * trainer.accumulate_grad_batches * world, world)
+        else:
+            self.plan = plan_for(self.result, target, world)
         lightning_setattr(pl_module, self.batch_arg_name, self.plan.micro_batch)
         trainer.accumulate_grad_batches = self.plan.grad_accum
         trainer.fit_loop._combined_loader = None  # a loader built before now had the old batch size
@@ -191,6 +236,42 @@ class AutoBatch(_pl.Callback):
         if self.use_guard:
             self._steps = _GuardedSteps(trainer, pl_module, self.max_splits)
             self.guard = self._steps.guard
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "validate":  # not the validation inside fit
+            self._scale_evaluation(trainer, pl_module, "validation_step")
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._scale_evaluation(trainer, pl_module, "test_step")
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._scale_evaluation(trainer, pl_module, "predict_step")
+
+    def _scale_evaluation(self, trainer: Any, pl_module: Any, step: str) -> None:
+        """``validate``/``test``/``predict``: the exact largest batch of the stage's step under
+        ``torch.no_grad()`` (no gradients, no optimizer), set where the dataloader reads it."""
+        loop = trainer._active_loop
+        loop.setup_data()
+        loaders = loop._combined_loader.flattened
+        if len(loaders) != 1:
+            raise AutobatchError(f"AutoBatch sets one batch size for {step}, but the stage has {len(loaders)} "
+                                 "dataloaders; scale one at a time (as BatchSizeFinder requires)")
+        make_batch = self.make_batch or batches_from_dataset(loaders[0].dataset, loaders[0].collate_fn)
+        backend = self.backend or make_backend(pl_module.device, self.memory)
+        quiet = {"log": lambda *a, **k: None, "log_dict": lambda *a, **k: None}
+        pl_module.__dict__.update(quiet)
+        try:
+            self.eval_batch = probe_eval_batch(_StageStep(pl_module, step), make_batch, backend,
+                                               dtype=_DTYPES.get(str(trainer.precision)), max_batch=self.max_micro,
+                                               loss_fn=lambda module, batch: module(batch))
+        finally:
+            for name in quiet:
+                pl_module.__dict__.pop(name, None)
+        lightning_setattr(pl_module, self.batch_arg_name, self.eval_batch)
+        loop._combined_loader = None  # built again at the new batch size, and fetched from anew: the
+        loop.setup_data()             # loop reads its fetcher after this hook (as BatchSizeFinder's runs rely on)
+        loop.reset()
+        log_main(log, "AutoBatch: %s runs at batch %d (the largest under torch.no_grad())", step, self.eval_batch)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
         if self._steps is not None:  # the module's own methods again, after fit

@@ -104,6 +104,9 @@ _HANDOFFS = {
     "_forward": "the evaluation forward",
     "_first_batch": "make_batch(b)",
     "_build_for_signature": "the model function",
+    "_global_batch": "make_batch(b)",
+    "_mean": "the loss (loss_fn: the model's forward and the loss)",
+    "_backward": "the backward of the loss",
 }
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARIES = tuple({os.path.dirname(os.__file__), *(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))})

@@ -187,14 +187,17 @@ def test_malformed_result_warns_and_is_a_miss(root):
 
 def test_list_skips_bad_files_with_a_warning_and_clear_removes_everything(root):
     cached_probe(_work(), SimulatedBackend(BUDGET), root=root)
-    (root / "probe" / "junk.json").write_text("nope")
+    (root / "probe" / ("0" * 64 + ".json")).write_text("nope")  # a damaged entry of autobatch's
+    (root / "probe" / "junk.json").write_text("nope")  # a file autobatch did not write
     (root / "tune.db").write_bytes(b"")
     with pytest.warns(CacheWarning):
         entries = list_entries(root)
     assert [e.workload for e in entries] == ["mlp16"]
     assert "mlp16" in str(entries[0]) and "max batch" in str(entries[0])
-    assert clear(root) == 3
-    assert list_entries(root) == [] and not (root / "tune.db").exists()
+    assert clear(root) == 3  # the entry, the damaged one and the study: not the file autobatch did not write
+    assert not (root / "tune.db").exists() and (root / "probe" / "junk.json").exists()
+    with pytest.warns(CacheWarning, match="junk.json: not an autobatch probe-cache file \\(left as it is\\)"):
+        assert list_entries(root) == []
 
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):

@@ -109,3 +109,20 @@ def test_any_content_in_a_cache_file_is_skipped_by_find_and_cache_list(tmp_path,
     assert again.exit_code == 0 and json.loads(again.stdout)["cached"] is False, again.output
     listed = CliRunner().invoke(app, ["cache", "list", "--json"])
     assert listed.exit_code == 0 and "Traceback" not in listed.output
+
+
+def test_cache_clear_removes_only_what_autobatch_wrote(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
+    cached_probe(work(), SimulatedBackend("4MiB"), headroom=0.05, root=tmp_path)
+    (tmp_path / "probe" / "mydata.json").write_text('{"a": 1}')  # the user's own, in a folder they pointed at
+    (tmp_path / "notes.txt").write_text("mine")
+    listed = CliRunner().invoke(app, ["cache", "list"])
+    assert "mydata.json: not an autobatch probe-cache file (left as it is)" in listed.output
+    cleared = CliRunner().invoke(app, ["cache", "clear"])
+    assert cleared.exit_code == 0 and "removed 1 file from" in cleared.stdout
+    assert (tmp_path / "probe" / "mydata.json").read_text() == '{"a": 1}' and (tmp_path / "notes.txt").exists()
+    assert list((tmp_path / "probe").glob("*.json")) == [tmp_path / "probe" / "mydata.json"]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
+from ..probing.workload import step_loss
 from .accumulation import LossNormaliser
 from .ga_batches import LossFn, TokenLossFn, _batch_size, _mask_of
 
@@ -95,6 +96,11 @@ def _compare(acc: dict[str, torch.Tensor], big: dict[str, torch.Tensor]) -> tupl
     return rel, cosine, math.sqrt(acc_sq / big_sq), tuple(rows)
 
 
+def _backward(loss: torch.Tensor) -> None:
+    """The loss's backward (its own function: an error here is the user's loss or model, and says so)."""
+    loss.backward()
+
+
 @dataclass
 class _Measured:
     rel: float
@@ -132,7 +138,7 @@ class _Measure:
         """The loss as a mean over this batch's own items (the big-batch loss, or a naive micro-batch loss)."""
         if self.token_loss_fn is None:
             torch.manual_seed(seed)
-            return self.loss_fn(self.work, b)  # type: ignore[misc]
+            return step_loss(self.loss_fn, self.work, b)  # one scalar, or one line
         losses, mask = self._items(b, seed)
         return torch.where(mask, losses, torch.zeros_like(losses)).sum() / mask.sum()
 
@@ -154,11 +160,11 @@ class _Measure:
         # own gradient leaves nothing to judge GA against.
         _zero(work)
         loss = self._mean(self.batch, seed)
-        loss.backward()
+        _backward(loss)
         loss_big = float(loss.detach())
         big = _grads(work)
         _zero(work)
-        self._mean(self.batch, seed + 1).backward()
+        _backward(self._mean(self.batch, seed + 1))
         repro_error = _compare(_grads(work), big)[0]
 
         acc = {k: torch.zeros_like(v) for k, v in big.items()}
@@ -173,7 +179,7 @@ class _Measure:
                     loss = norm.token_loss(*self._items(b, seed))
                 else:
                     loss = norm.rescale_mean(self._mean(b, seed), _batch_size(b))
-                loss.backward()
+                _backward(loss)
                 loss_acc += float(loss.detach()) / self.world_size
             for k, g in _grads(work).items():
                 acc[k] += g / self.world_size

@@ -8,6 +8,7 @@ import torch
 
 from ..errors import AutobatchError
 from ..probing.oom import is_oom_error
+from ..probing.samples import check_sample_count
 from .ga_batches import lm_token_loss, padded_lm_batch
 from .verify_ga import GAVerification, Mode, _validate, verify_ga
 
@@ -64,11 +65,18 @@ def _verify_source(source: Any, global_batch: int, *, micro_batch: int, grad_acc
         return verify_ga(source.model, batch, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
                          token_loss_fn=lm_token_loss(shift=task == "causal-lm"), mode=mode, tolerance=tolerance,
                          seed=seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        batch = source.make_batch(global_batch)
+    batch = _global_batch(source.make_batch, global_batch, seed)
     return verify_ga(source.model, batch, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
                      loss_fn=source.loss_fn, mode=mode, tolerance=tolerance, seed=seed)
+
+
+def _global_batch(make_batch: Any, samples: int, seed: int) -> Any:
+    """``make_batch(samples)`` under ``seed``, which must hold that many samples (the user's code runs here)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        batch = make_batch(samples)
+    check_sample_count(batch, samples, make_batch)
+    return batch
 
 
 def verify_model(

@@ -99,7 +99,7 @@ def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.d
     dtype = resolve_dtype(workload.dtype)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with autocast:
-        loss = step_loss(workload, wrapped.module, batch)
+        loss = step_loss(workload.loss_fn, wrapped.module, batch)
     wrapped.backward(loss)
 
 

@@ -78,7 +78,7 @@ def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int
     dtype = resolve_dtype(workload.dtype)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with autocast:
-        loss = step_loss(workload, model, batch)
+        loss = step_loss(workload.loss_fn, model, batch)
     loss.backward()
 
 

@@ -86,15 +86,15 @@ def where(fn: Any) -> str:
     return f"{code.co_filename}:{code.co_firstlineno} ({getattr(fn, '__qualname__', code.co_name)})"
 
 
-def step_loss(workload: Workload, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """``workload.loss_fn(model, batch)``, refused in one line unless it is a one-element tensor."""
-    loss = workload.loss_fn(model, batch)
+def step_loss(loss_fn: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """``loss_fn(model, batch)``, refused in one line unless it is a one-element tensor."""
+    loss = loss_fn(model, batch)
     if not isinstance(loss, torch.Tensor):
         raise AutobatchError(f"the loss must be a tensor with one element, but loss_fn returned {type(loss).__name__} "
-                             f"({where(workload.loss_fn)}); return a torch scalar, e.g. the mean of the batch's losses")
+                             f"({where(loss_fn)}); return a torch scalar, e.g. the mean of the batch's losses")
     if loss.numel() != 1:
         raise AutobatchError(f"the loss must be a tensor with one element, but loss_fn returned one of shape "
-                             f"{tuple(loss.shape)} ({where(workload.loss_fn)}); reduce it, e.g. .mean()")
+                             f"{tuple(loss.shape)} ({where(loss_fn)}); reduce it, e.g. .mean()")
     return loss
 
 

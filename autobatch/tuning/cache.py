@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -142,7 +143,11 @@ def _read(path: Path) -> dict[str, Any] | None:
         _warn(path, f"unreadable: {type(exc).__name__}")
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        _warn(path, "not an autobatch probe-cache file")
+        if _ours(path.name):
+            _warn(path, "not an autobatch probe-cache file")
+        else:  # a file of someone else's: skipped, and neither rebuilt nor cleared
+            warnings.warn(f"autobatch cache: ignoring {path}: not an autobatch probe-cache file (left as it is)",
+                          CacheWarning, stacklevel=2)
         return None
     if data.get("version") != SCHEMA_VERSION:
         _warn(path, f"cache format version {data.get('version')!r}, this autobatch reads {SCHEMA_VERSION}")
@@ -244,11 +249,15 @@ def list_entries(root: Path | None = None) -> list[CacheEntry]:
 
 
 def clear(root: Path | None = None) -> int:
-    """Delete every cached probe and the tuning studies; return how many files were removed."""
+    """Delete every cached probe and the tuning studies; return how many files were removed.
+
+    Only files autobatch names are removed: an entry is named by its fingerprint's digest (64
+    hexadecimal digits), a file being written by its first 16; anything else in the folder (a file
+    of the user's, when the cache points at a folder of theirs) is left where it is.
+    """
     base = root if root is not None else cache_dir()
     folder = _probe_dir(root)
-    doomed = [p for p in (list(folder.glob("*")) if folder.is_dir() else [])
-              if p.is_file() and p.suffix in (_SUFFIX, ".tmp")]
+    doomed = [p for p in (list(folder.glob("*")) if folder.is_dir() else []) if p.is_file() and _ours(p.name)]
     doomed += [base / name for name in ("tune.db", "tune.db-journal", "tune.db-wal", "tune.db-shm") if (base / name).is_file()]
     removed = 0
     for path in doomed:
@@ -261,6 +270,14 @@ def clear(root: Path | None = None) -> int:
             ) from None
         removed += 1
     return removed
+
+
+_OURS = re.compile(r"^(?:[0-9a-f]{64}\.json|\.[0-9a-f]{16}\..+\.tmp)$")
+
+
+def _ours(name: str) -> bool:
+    """Whether autobatch named this file: an entry (``<digest>.json``) or one being written."""
+    return _OURS.match(name) is not None
 
 
 # --- the probe, through the cache -------------------------------------------------------------

@@ -196,7 +196,7 @@ def test_list_skips_bad_files_with_a_warning_and_clear_removes_everything(root):
     assert "mlp16" in str(entries[0]) and "max batch" in str(entries[0])
     assert clear(root) == 3  # the entry, the damaged one and the study: not the file autobatch did not write
     assert not (root / "tune.db").exists() and (root / "probe" / "junk.json").exists()
-    with pytest.warns(CacheWarning, match="junk.json: not an autobatch probe-cache file \\(left as it is\\)"):
+    with pytest.warns(CacheWarning, match="junk.json: unreadable: JSONDecodeError, and not a file autobatch wrote \\(left as it is\\)"):
         assert list_entries(root) == []
 
 

@@ -121,7 +121,7 @@ def test_cache_clear_removes_only_what_autobatch_wrote(tmp_path, monkeypatch):
     (tmp_path / "probe" / "mydata.json").write_text('{"a": 1}')  # the user's own, in a folder they pointed at
     (tmp_path / "notes.txt").write_text("mine")
     listed = CliRunner().invoke(app, ["cache", "list"])
-    assert "mydata.json: not an autobatch probe-cache file (left as it is)" in listed.output
+    assert "mydata.json: not an autobatch probe-cache file, and not a file autobatch wrote (left as it is)" in listed.output
     cleared = CliRunner().invoke(app, ["cache", "clear"])
     assert cleared.exit_code == 0 and "removed 1 file from" in cleared.stdout
     assert (tmp_path / "probe" / "mydata.json").read_text() == '{"a": 1}' and (tmp_path / "notes.txt").exists()

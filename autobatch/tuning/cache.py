@@ -132,6 +132,15 @@ def _warn(path: Path, why: str) -> None:
     warnings.warn(f"autobatch cache: ignoring {path} ({why}); it will be rebuilt", CacheWarning, stacklevel=3)
 
 
+def _skip(path: Path, why: str) -> None:
+    """One warning for a file that is not a valid entry: one of autobatch's is rebuilt, anyone else's left alone."""
+    if _ours(path.name):
+        _warn(path, why)
+    else:
+        warnings.warn(f"autobatch cache: ignoring {path}: {why}, and not a file autobatch wrote (left as it is)",
+                      CacheWarning, stacklevel=3)
+
+
 def _read(path: Path) -> dict[str, Any] | None:
     """The parsed entry, or ``None`` (with one warning) when it is not a valid autobatch entry."""
     try:
@@ -140,14 +149,10 @@ def _read(path: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, NotADirectoryError):  # nothing cached yet
         return None
     except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; JSON nested too deep
-        _warn(path, f"unreadable: {type(exc).__name__}")
+        _skip(path, f"unreadable: {type(exc).__name__}")
         return None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        if _ours(path.name):
-            _warn(path, "not an autobatch probe-cache file")
-        else:  # a file of someone else's: skipped, and neither rebuilt nor cleared
-            warnings.warn(f"autobatch cache: ignoring {path}: not an autobatch probe-cache file (left as it is)",
-                          CacheWarning, stacklevel=2)
+        _skip(path, "not an autobatch probe-cache file")
         return None
     if data.get("version") != SCHEMA_VERSION:
         _warn(path, f"cache format version {data.get('version')!r}, this autobatch reads {SCHEMA_VERSION}")

@@ -82,7 +82,8 @@ def _written(report: Report, *, strategy: Any = None, probed_zero: Any = None, i
     changes: list[str] = []
     if plan is not None and len(report.rows) <= 1:
         write_plan_configs(plan, **request.outputs(), keep_auto=request.keep_auto, written=written, changes=changes,
-                           strategy=strategy, probed_zero=probed_zero, eval_batch=report.eval_batch)
+                           strategy=strategy, probed_zero=probed_zero, eval_batch=report.eval_batch,
+                           **report.training())
     if request.plot is not None and report.finding is not None:
         from ..tuning.plot import plot_probe
 

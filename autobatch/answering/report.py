@@ -60,6 +60,16 @@ class Report:
     def cached(self) -> bool:
         return any(isinstance(row, Finding) and row.cached for row in self.rows)
 
+    def training(self) -> dict[str, Any]:
+        """What the micro batch was probed with and so must train with: ``precision`` (``"bf16"``,
+        ``"fp16"`` or ``None``) and ``grad_checkpointing``; none for a plan alone."""
+        request = self.request
+        if request.model is None:
+            return {"precision": None, "grad_checkpointing": False}
+        dtype = str(request.dtype).lower().replace("torch.", "")
+        precision = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(dtype)
+        return {"precision": precision, "grad_checkpointing": bool(request.grad_checkpointing)}
+
     @property
     def eval_batch(self) -> int | None:
         """The safe evaluation batch at the length trained at, when ``evaluation`` was asked."""

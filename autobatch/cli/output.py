@@ -30,14 +30,17 @@ def console(stderr: bool = False) -> Any:
 
 
 def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | None = None,
-               script: str = "train.py", strategy: Any = None) -> list[str]:
-    """The HF, Lightning, torchrun (and accelerate) lines that run ``plan``, one per framework."""
+               script: str = "train.py", strategy: Any = None, precision: str | None = None,
+               grad_checkpointing: bool = False) -> list[str]:
+    """The HF, Lightning, torchrun (and accelerate) lines that run ``plan``, one per framework, with the
+    strategy, precision and checkpointing the batch was probed with."""
     from .. import accelerate_command, hf_flags, lightning_settings, torchrun_command
 
-    lightning = lightning_settings(plan)
-    trainer = ", ".join(f"{k}={v}" for k, v in lightning["trainer"].items())
+    lightning = lightning_settings(plan, strategy=strategy, precision=precision)
+    trainer = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in lightning["trainer"].items())
+    flags = hf_flags(plan, deepspeed, strategy, precision=precision, grad_checkpointing=grad_checkpointing)
     lines = [
-        f"HF TrainingArguments: {shlex.join(hf_flags(plan, deepspeed, strategy))}",
+        f"HF TrainingArguments: {shlex.join(flags)}",
         f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})",
         f"torchrun: {torchrun_command(plan, script)}",
     ]
@@ -46,11 +49,10 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
     return lines
 
 
-def print_plan(plan: Any, *, label: str = "", deepspeed: str | None = None, accelerate: str | None = None,
-               script: str = "train.py", strategy: Any = None) -> None:
-    """The plan's arithmetic, then the line each framework needs to run it."""
+def print_plan(plan: Any, *, label: str = "", **launch: Any) -> None:
+    """The plan's arithmetic, then the line each framework needs to run it (``launch``: see :func:`plan_lines`)."""
     typer.echo(label + plan.describe())
-    for line in plan_lines(plan, deepspeed=deepspeed, accelerate=accelerate, script=script, strategy=strategy):
+    for line in plan_lines(plan, **launch):
         typer.echo(line)
 
 

@@ -42,7 +42,8 @@ def _launch(report: Any) -> dict[str, Any]:
     request = report.request
     finding = report.finding
     strategy = finding.strategy if finding is not None else (request.strategies or (None,))[0]
-    return dict(deepspeed=request.deepspeed, accelerate=request.accelerate, script=request.script, strategy=strategy)
+    return dict(deepspeed=request.deepspeed, accelerate=request.accelerate, script=request.script, strategy=strategy,
+                **report.training())
 
 
 def device_line(info: Any) -> str:
@@ -172,7 +173,7 @@ def _print_lengths(report: Any) -> None:
     if eval_batch is not None:
         typer.echo(f"evaluation{where}: per_device_eval_batch_size {eval_batch} "
                    f"(max {table.train_row.eval.max_batch}, forward under torch.no_grad())")
-    flags = hf_flags(plan, report.request.deepspeed)
+    flags = hf_flags(plan, report.request.deepspeed, **report.training())
     if eval_batch is not None:
         flags += ["--per_device_eval_batch_size", str(eval_batch)]
     typer.echo(f"HF TrainingArguments: {' '.join(flags)}")

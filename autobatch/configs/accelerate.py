@@ -193,7 +193,8 @@ def read_accelerate_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def merge_accelerate_config(
-    plan: Plan, existing: dict[str, Any], deepspeed_config_file: str | os.PathLike[str] | None = None
+    plan: Plan, existing: dict[str, Any], deepspeed_config_file: str | os.PathLike[str] | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """``existing`` with only what the plan decides changed; every other key is kept.
 
@@ -211,6 +212,10 @@ def merge_accelerate_config(
     config = copy.deepcopy(existing)
     config["num_processes"] = plan.num_processes
     config["num_machines"] = plan.nodes
+    ids = config.get("gpu_ids")
+    if isinstance(ids, (str, int)) and str(ids).strip().lower() != "all" \
+            and len([i for i in str(ids).split(",") if i.strip()]) != plan.gpus_per_node:
+        config["gpu_ids"] = "all"  # the GPUs it listed are not the plan's: they would contradict num_processes
     kind = config.get("distributed_type")
     if deepspeed_config_file is not None:
         config["distributed_type"] = "DEEPSPEED"
@@ -227,6 +232,8 @@ def merge_accelerate_config(
         section = config.get("deepspeed_config")
         if kind == "DEEPSPEED" and isinstance(section, dict) and "gradient_accumulation_steps" in section:
             config["deepspeed_config"] = {**section, "gradient_accumulation_steps": plan.grad_accum}
+        if precision in ("bf16", "fp16") and config.get("mixed_precision", "no") == "no":
+            config["mixed_precision"] = precision  # the batch was probed with it: it fits only with it
     if plan.nodes > 1:
         config.setdefault("main_process_port", 29500)
     return config
@@ -257,21 +264,25 @@ def describe_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]
 
 
 def write_accelerate_config(
-    plan: Plan, path: str | os.PathLike[str], deepspeed_config_file: str | os.PathLike[str] | None = None, **kwargs: Any
+    plan: Plan, path: str | os.PathLike[str], deepspeed_config_file: str | os.PathLike[str] | None = None, *,
+    precision: str | None = None, **kwargs: Any
 ) -> Path:
     """Write :func:`accelerate_config` to ``path`` with :func:`accelerate_comment` on top.
 
     An existing file is merged instead (:func:`merge_accelerate_config`): only the keys the plan
-    decides change, the user's others are kept.
+    decides change, the user's others are kept. ``precision`` (``"bf16"``/``"fp16"``, what the
+    batch was probed with) becomes ``mixed_precision`` where no DeepSpeed file decides it.
 
     Example:
         >>> write_accelerate_config(plan, "accelerate.yaml", "ds_config.json")  # doctest: +SKIP
     """
+    if precision in ("bf16", "fp16") and deepspeed_config_file is None:  # (the DeepSpeed JSON says it otherwise)
+        kwargs.setdefault("mixed_precision", precision)
     config = accelerate_config(plan, deepspeed_config_file, **kwargs)
     if os.path.exists(path):
-        asked = {key: config[key] for key in kwargs if key in config}  # what the caller set explicitly
+        asked = {key: config[key] for key in kwargs if key in config and key != "mixed_precision"}  # set explicitly
         if kwargs.get("strategy") is not None:  # the probed strategy decides how training shards
             asked.update({key: config[key] for key in ("distributed_type", "fsdp_config", "deepspeed_config") if key in config})
-        config = {**merge_accelerate_config(plan, read_config(path), deepspeed_config_file), **asked}
+        config = {**merge_accelerate_config(plan, read_config(path), deepspeed_config_file, precision), **asked}
     comment = accelerate_comment(plan, deepspeed_config_file, kwargs.get("strategy"))
     return write_config(path, config, comment=comment)

@@ -21,6 +21,14 @@ __all__ = ["check_plan_outputs", "write_plan_configs"]
 PathLike = str | os.PathLike[str]
 
 
+def _accelerate_precision(path: PathLike | None) -> str | None:
+    """The ``mixed_precision`` an existing accelerate file holds (it moves into the DeepSpeed JSON)."""
+    if path is None or not os.path.exists(path):
+        return None
+    value = str(read_config(path).get("mixed_precision", "no")).lower()
+    return value if value in ("bf16", "fp16") else None
+
+
 def check_plan_outputs(
     *, deepspeed: PathLike | None = None, accelerate: PathLike | None = None, hf: PathLike | None = None
 ) -> None:
@@ -54,6 +62,8 @@ def write_plan_configs(
     eval_batch: int | None = None,
     strategy: Strategy | None = None,
     probed_zero: dict[str, Any] | None = None,
+    precision: str | None = None,
+    grad_checkpointing: bool = False,
 ) -> dict[str, str]:
     """Write the requested files from one plan; return ``{kind: path}`` of what was written.
 
@@ -73,6 +83,10 @@ def write_plan_configs(
         strategy: the strategy the micro batch was probed under; every file trains with it
             (DeepSpeed stage and offload, accelerate's FSDP or DeepSpeed plugin, HF ``fsdp``/``deepspeed``).
         probed_zero: the ZeRO values (bucket sizes) the probe ran with, added to the DeepSpeed file.
+        precision, grad_checkpointing: what the micro batch was probed with (``"bf16"``/``"fp16"``
+            autocast; gradient checkpointing): every file trains with them, since the batch fits
+            only so. An accelerate file's own ``mixed_precision``, which accelerate refuses beside
+            a DeepSpeed file, is moved into the DeepSpeed JSON rather than dropped.
 
     Example:
         >>> write_plan_configs(plan, deepspeed="ds.json", accelerate="accelerate.yaml")  # doctest: +SKIP
@@ -92,16 +106,26 @@ def write_plan_configs(
                            + f"; kept {kept} other key{'s' if kept != 1 else ''} as they were")
 
     if deepspeed is not None:
+        moved = precision or _accelerate_precision(accelerate)
         merged(deepspeed, lambda: write_deepspeed_config(plan, deepspeed, keep_auto=keep_auto,
                                                          for_accelerate=accelerate is not None,
-                                                         strategy=strategy, probed_zero=probed_zero))
+                                                         strategy=strategy, probed_zero=probed_zero, precision=moved))
         written["deepspeed_config"] = str(deepspeed)
     if accelerate is not None:
-        merged(accelerate, lambda: write_accelerate_config(plan, accelerate, deepspeed, strategy=strategy))
+        merged(accelerate, lambda: write_accelerate_config(plan, accelerate, deepspeed, strategy=strategy,
+                                                           precision=precision))
         written["accelerate_config"] = str(accelerate)
     if hf is not None:
-        # The user's other TrainingArguments (learning rate, output_dir, …) stay: only the plan's keys change.
-        args = hf_training_args(plan, deepspeed, eval_batch=eval_batch, strategy=strategy)
-        merged(hf, lambda: write_config(hf, {**(read_config(hf) if os.path.exists(hf) else {}), **args}))
+        # The user's other TrainingArguments (learning rate, output_dir, …) stay: only the plan's keys change,
+        # and a way of sharding the plan replaces the other one (the Trainer refuses fsdp and deepspeed together).
+        args = hf_training_args(plan, deepspeed, eval_batch=eval_batch, strategy=strategy, precision=precision,
+                                grad_checkpointing=grad_checkpointing)
+        sharded_by = {"fsdp", "fsdp_config"} if "deepspeed" in args else {"deepspeed"} if "fsdp" in args else set()
+
+        def hf_merged() -> None:
+            before = read_config(hf) if os.path.exists(hf) else {}
+            write_config(hf, {**{k: v for k, v in before.items() if k not in sharded_by}, **args})
+
+        merged(hf, hf_merged)
         written["hf_args"] = str(hf)
     return written

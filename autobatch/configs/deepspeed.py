@@ -83,7 +83,8 @@ def zero_section(strategy: Strategy, existing: dict[str, Any] | None = None,
 
 
 def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep_auto: bool = False,
-                     strategy: Strategy | None = None, probed_zero: dict[str, Any] | None = None) -> dict[str, Any]:
+                     strategy: Strategy | None = None, probed_zero: dict[str, Any] | None = None,
+                     precision: str | None = None) -> dict[str, Any]:
     """The plan's three batch keys, merged into an existing DeepSpeed config or as a new one.
 
     Args:
@@ -96,6 +97,9 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         strategy: The strategy the micro batch was probed under: its ZeRO stage and offload are
             written (see :func:`zero_section`), so the file trains as the probe measured.
         probed_zero: The ``zero_optimization`` values the probe ran with (bucket sizes).
+        precision: ``"bf16"`` or ``"fp16"``, what the micro batch was probed with (or what the
+            accelerate config held, which accelerate refuses beside a DeepSpeed file): added as
+            ``{"enabled": true}`` unless the config already says its precision.
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -109,6 +113,8 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         if keep_auto and config.get(key) == "auto":
             continue
         config[key] = value
+    if precision in ("bf16", "fp16") and "bf16" not in config and "fp16" not in config:
+        config[precision] = {"enabled": True}
     if strategy is not None:
         config[ZERO_OPTIMIZATION] = zero_section(strategy, config.get(ZERO_OPTIMIZATION), probed_zero)
     elif existing is None:
@@ -137,6 +143,7 @@ def write_deepspeed_config(
     for_accelerate: bool = False,
     strategy: Strategy | None = None,
     probed_zero: dict[str, Any] | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """Write the plan into a DeepSpeed JSON file and return what was written.
 
@@ -150,7 +157,8 @@ def write_deepspeed_config(
         for_accelerate: The file will be named in an accelerate config (or HF ``deepspeed=``):
             an existing config without a ``zero_optimization`` section also gets
             ``{"stage": 0}``, DeepSpeed's own default, because those libraries refuse one without.
-        strategy, probed_zero: The probed strategy and its ZeRO values (see :func:`deepspeed_config`).
+        strategy, probed_zero, precision: The probed strategy, its ZeRO values and precision (see
+            :func:`deepspeed_config`).
 
     A file read as hjson is written back as plain JSON, so its comments are not kept.
 
@@ -159,7 +167,8 @@ def write_deepspeed_config(
     """
     source = base if base is not None else (path if Path(path).exists() else None)
     existing = read_deepspeed_config(source) if source is not None else None
-    config = deepspeed_config(plan, existing, keep_auto=keep_auto, strategy=strategy, probed_zero=probed_zero)
+    config = deepspeed_config(plan, existing, keep_auto=keep_auto, strategy=strategy, probed_zero=probed_zero,
+                              precision=precision)
     if for_accelerate:
         config.setdefault(ZERO_OPTIMIZATION, {"stage": 0})
     write_config(path, config)

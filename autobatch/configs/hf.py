@@ -19,7 +19,8 @@ __all__ = ["hf_training_args", "hf_flags", "hf_fsdp"]
 
 
 def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None, *,
-                     eval_batch: int | None = None, strategy: Strategy | None = None) -> dict[str, Any]:
+                     eval_batch: int | None = None, strategy: Strategy | None = None,
+                     precision: str | None = None, grad_checkpointing: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments``.
 
     Args:
@@ -29,6 +30,8 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
         strategy: The strategy the micro batch was probed under. FSDP adds ``fsdp`` and
             ``fsdp_config`` (version, block class); ZeRO without a DeepSpeed file adds ``deepspeed``
             as a dict with its stage and offload (Trainer fills the ``"auto"`` values).
+        precision, grad_checkpointing: what the micro batch was probed with (``"bf16"``/``"fp16"``
+            autocast, gradient checkpointing): written too, since the batch fits only with them.
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -50,6 +53,10 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
                              "train_batch_size": "auto", "zero_optimization": zero_section(strategy)}
     if strategy is not None and strategy.is_fsdp:
         args.update(hf_fsdp(strategy))
+    if precision in ("bf16", "fp16"):
+        args[precision] = True
+    if grad_checkpointing:
+        args["gradient_checkpointing"] = True
     return args
 
 
@@ -86,7 +93,7 @@ def _legacy_fsdp_form() -> bool:
 
 
 def hf_flags(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None,
-             strategy: Strategy | None = None) -> list[str]:
+             strategy: Strategy | None = None, **training: Any) -> list[str]:
     """The same values as ``HfArgumentParser`` command-line flags.
 
     Example:
@@ -95,7 +102,7 @@ def hf_flags(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = 
         ['--per_device_train_batch_size', '7', '--gradient_accumulation_steps', '2']
     """
     flags: list[str] = []
-    for key, value in hf_training_args(plan, deepspeed_config_file, strategy=strategy).items():
+    for key, value in hf_training_args(plan, deepspeed_config_file, strategy=strategy, **training).items():
         if value is True:  # a switch: HfArgumentParser reads `--fsdp` alone as True
             flags.append(f"--{key}")
             continue

@@ -88,7 +88,7 @@ def test_hf_config_directory_works_offline(tmp_path):
     "args, message",
     [
         (["--model", "gpt5", "--device", "cpu", "--memory", "1GiB"], "unknown model 'gpt5'; built-in models are gpt2"),
-        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "lots"], "--memory must be a positive size with an optional unit"),
+        (["--model", "tiny-mlp", "--device", "cpu", "--memory", "lots"], "--memory must be a positive size with a unit"),
         (["--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "0"], "--target must be ≥ 1, but got '0'"),
         (["--model", "missing.py:build", "--device", "cpu", "--memory", "2MiB"], "model file 'missing.py' does not exist"),
         (["--model", "tiny-mlp", "--device", "cpu"], "needs a simulated memory budget"),

@@ -61,7 +61,7 @@ def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
     assert json.loads(hf.read_text())["fsdp_config"]["min_num_params"] == 10**8
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
                  "--strategy", "fsdp2", "--max-batch", "2", "--deepspeed", str(ds))
-    assert res.exit_code == 2 and "probed under fsdp2" in res.output
+    assert res.exit_code == 2 and "the plan is for fsdp2" in res.output
 
 
 def test_check_takes_a_misspelt_strategy_as_a_usage_error():

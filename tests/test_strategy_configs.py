@@ -109,7 +109,7 @@ def test_hf_arguments_carry_fsdp_or_deepspeed():
 
 
 def test_a_deepspeed_file_cannot_carry_fsdp():
-    with pytest.raises(AutobatchError, match="the plan was probed under fsdp2"):
+    with pytest.raises(AutobatchError, match="the plan is for fsdp2"):
         zero_section(Strategy("fsdp2"))
 
 

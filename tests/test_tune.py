@@ -128,6 +128,22 @@ def test_a_resumed_study_times_its_baseline_again_before_claiming_a_speedup(tmp_
     assert timed[1] == timed[0]  # the baseline, timed again first in the second run
     assert second.baseline.trial_number == 1 and second.baseline.samples_per_second == 40.0
     assert second.speedup == 1.0 and len(second.measurements) == 3
+    assert [m.earlier_run for m in second.measurements] == [True, False, False]
+    assert "timing(s) from earlier runs of the study are listed, not compared" in str(second)
+    # this run's own timings only: 40 is not pruned against an earlier, faster machine's figure
+    rate["now"] = 1000.0
+    tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=1, root=tmp_path, max_batch=64)
+    rate["now"] = 40.0
+    fourth = tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=2, root=tmp_path, max_batch=64)
+    assert all(m.state == "COMPLETE" for m in fourth.measurements if not m.earlier_run)
+
+
+def test_tune_refuses_a_seed_optuna_cannot_take_and_names_a_damaged_study(tmp_path):
+    with pytest.raises(AutobatchError, match="seed must be a whole number from 0 to 4294967295"):
+        tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=1, root=tmp_path, seed=-1)
+    (tmp_path / "tune.db").write_text("this is not a database, but a note of mine\n" * 20)
+    with pytest.raises(AutobatchError, match="which is damaged .*`autobatch cache clear` removes it"):
+        tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=1, root=tmp_path)
 
 
 def test_a_different_target_is_a_different_study(root):

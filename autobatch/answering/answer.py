@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..configs import write_plan_configs
+from ..errors import AutobatchError
 from ..pipeline import Finding, find_plan, local_gpu_count, plan_from_probe, probe_worker, probed_strategy, trace_prior_for
 from ..planning.plan import Plan
 from ..planning.solver import solve
@@ -47,6 +48,9 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
         >>> report.plan.micro_batch * report.plan.grad_accum * report.plan.world_size
         96
     """
+    if not isinstance(request, Request):
+        raise AutobatchError(f"answer takes an autobatch.Request, but got {type(request).__name__}; build one, "
+                             "e.g. autobatch.answer(autobatch.Request(target=224, max_micro=9))")
     notes: list[str] = []
 
     def note(text: str) -> None:

@@ -228,6 +228,10 @@ class Request:
                 if getattr(self, name) not in (None, False):
                     problems.append(f"{option(name)} describes a probe or an estimate, which needs {option('model')}")
             return
+        if isinstance(self.model, (str, Workload)) and self.make_batch is not None:
+            problems.append(f"{option('make_batch')} is for a model passed as an object, but "
+                            f"{self.model if isinstance(self.model, str) else 'a Workload'!r} brings its own batches; "
+                            f"drop {option('make_batch')}, or pass the nn.Module itself")
         if not isinstance(self.model, (str, Workload)) and self.make_batch is None:
             problems.append(f"a model passed as an object needs {option('make_batch')}(b), which builds a batch of "
                             f"b samples; or pass {option('model')} as a name (e.g. 'tiny-gpt2')")
@@ -332,7 +336,7 @@ class Request:
         if lengths is not None and any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
                                        for s in lengths):
             problems.append(f"{option('seq_len')} must be one positive integer or several, but got {self.seq_len!r}; "
-                            "e.g. 1024, or 256,512,1024")
+                            "e.g. 1024, or (256, 512, 1024)")
             return
         if self.train_seq_len is not None and self.train_seq_len not in (lengths or ()):
             problems.append(f"{option('train_seq_len')} must be one of the {option('seq_len')} values "

@@ -92,7 +92,8 @@ def padded_lm_batch(
         [2, 4, 6, 8]
     """
     if seq_len < min_len or min_len < 2:
-        raise AutobatchError(f"seq_len must be at least min_len ≥ 2, but got seq_len={seq_len}, min_len={min_len}")
+        raise AutobatchError(f"seq_len must be at least {max(2, min_len)} (the padded batch spreads its lengths from "
+                             f"{max(2, min_len)} up), but got seq_len={seq_len}")
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.linspace(min_len, seq_len, batch_size).round().long()
     lengths = lengths[torch.randperm(batch_size, generator=gen)]

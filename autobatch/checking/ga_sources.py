@@ -50,7 +50,7 @@ def verify_model_source(
         if not (isinstance(exc, MemoryError) or is_oom_error(exc) or _HOST_OOM in str(exc)):
             raise
         raise AutobatchError(
-            f"the big batch of micro_batch × grad_accum × world_size = {global_batch} samples must fit in host memory "
+            f"the big batch of micro_batch × grad_accum × ranks = {global_batch} samples must fit in host memory "
             "(verify-ga builds it on the CPU), but allocating it failed; use a smaller --micro-batch, --grad-accum "
             "or --world-size: the check needs the same arithmetic, not the training batch"
         ) from None

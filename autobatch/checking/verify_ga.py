@@ -213,7 +213,7 @@ def verify_ga(
     size = _batch_size(batch)
     if size != expected:
         raise AutobatchError(
-            f"the batch must hold micro_batch * grad_accum * world_size = {micro_batch} * {grad_accum} * "
+            f"the batch must hold micro_batch * grad_accum * ranks = {micro_batch} * {grad_accum} * "
             f"{world_size} = {expected} samples, but it holds {size}"
         )
 

@@ -111,11 +111,15 @@ class AutobatchCommand(TyperCommand):
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         known = {opt for param in self.params for opt in (*param.opts, *param.secondary_opts)}
+        typed = {arg.partition("=")[0] for arg in args}
         rewritten = []
         for arg in args:
             old, eq, value = arg.partition("=")
             new = RENAMED.get(old)
             if new is not None and old not in known and new in known:
+                if new in typed:  # two spellings of one option: which one was meant is anybody's guess
+                    raise click.exceptions.UsageError(f"{old} is the old name of {new}, and both were given; pass {new} alone",
+                                                      ctx=ctx)
                 typer.echo(f"note: {old} is now {new}", err=True)
                 arg = new + eq + value
             rewritten.append(arg)

@@ -185,13 +185,14 @@ def size_value(text: str, flag: str) -> int:
     from ..units import parse_bytes
 
     if text.strip().replace(".", "", 1).isdigit():
+        example = text.strip() if float(text) > 0 else "2"
         raise AutobatchError(f"{flag} needs a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), but got {text!r}; "
-                             f"write e.g. {text.strip()}GiB")
+                             f"write e.g. {example}GiB")
     try:
         return parse_bytes(text)
     except AutobatchError:
         raise AutobatchError(
-            f"{flag} must be a positive size with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), "
+            f"{flag} must be a positive size with a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), "
             f"but got {text!r}; write e.g. 2GiB"
         ) from None
 

@@ -58,7 +58,7 @@ def tune_command(
     multiple_of: MultipleOf = None,
     device: DeviceName = None,
     memory: SimulatedMemory = None,
-    seed: int = typer.Option(0, "--seed", help="Seed of the TPE sampler."),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the TPE sampler (0 to 2**32 - 1)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Probe again instead of reading the cache (the study is kept)."),
     plot: str | None = typer.Option(None, "--plot", rich_help_panel="Output",
                                     help="Write a PNG of memory and throughput here (needs the plot extra)."),

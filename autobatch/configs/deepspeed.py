@@ -65,7 +65,7 @@ def zero_section(strategy: Strategy, existing: dict[str, Any] | None = None,
     if strategy.zero_stage is None and strategy.name != "ddp":
         raise AutobatchError(
             f"a DeepSpeed config trains with ZeRO (zero1, zero2, zero3) or plain data parallelism (ddp), but the "
-            f"plan was probed under {strategy.name}; drop --deepspeed, or probe a ZeRO strategy")
+            f"plan is for {strategy.name}; drop --deepspeed, or plan for a ZeRO strategy")
     section = dict(existing or {})
     section["stage"] = strategy.zero_stage or 0
     for key, value in (probed or {}).items():

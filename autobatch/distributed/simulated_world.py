@@ -115,8 +115,9 @@ def probe_sharded(
     backend.release()
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
-        workload=workload.name, context=f"under {strategy.label} on {world_size} rank(s), ",
-        fix="shard more (fsdp2, zero3), use more GPUs, bf16, gradient checkpointing or a shorter sequence",
+        workload=workload.name, context=f"under {strategy.label} on {world_size} rank{'s' if world_size != 1 else ''}, ",
+        fix=("shard more (fsdp2, zero3), bf16, gradient checkpointing or smaller inputs" if strategy.name == "ddp" else
+             "shard more (zero3, offload), use more GPUs (smaller shards), bf16, gradient checkpointing or smaller inputs"),
         extra={"sharding": sharding_report(strategy, world_size, breakdowns.get(outcome.max_batch),
                                            configs.get(outcome.max_batch)), **prior_report(prior)},
     )

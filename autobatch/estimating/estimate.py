@@ -229,7 +229,7 @@ def estimate(
     if capacity <= 0:
         raise AutobatchError(
             f"the GPU's memory ({format_bytes(spec.total_bytes)}) must exceed its CUDA context "
-            f"({format_bytes(context)}); pass a larger --gpu-memory or a smaller context_bytes"
+            f"({format_bytes(context)}); pass a larger --gpu-memory (the CUDA context takes that much of it)"
         )
     headroom_bytes = resolve_headroom(headroom, capacity)
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
@@ -261,7 +261,7 @@ def estimate(
         first = outcome.trials[0]
         raise NoBatchFitsError(
             f"estimate: even a batch of {min_batch} needs about {format_bytes(first.reserved_bytes)} on {spec.name} "
-            f"(usable {format_bytes(capacity)}); use a shorter sequence, bf16, gradient checkpointing, "
+            f"(usable {format_bytes(capacity)}); use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, "
             "a smaller model or a larger GPU"
         )
     summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)

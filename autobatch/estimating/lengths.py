@@ -49,7 +49,7 @@ class FakeLengthRunner:
         if self.capacity <= 0:
             raise AutobatchError(
                 f"the GPU's memory ({format_bytes(self.spec.total_bytes)}) must exceed its CUDA context "
-                f"({format_bytes(context)}); pass a larger --gpu-memory or a smaller context_bytes"
+                f"({format_bytes(context)}); pass a larger --gpu-memory (the CUDA context takes that much of it)"
             )
         self.workload = workload
         self.fake_mode = _mode_of(workload.model) or _new_fake_mode()

@@ -119,8 +119,8 @@ def _lr_advice(base_lr: object, base_batch: object, global_batch: int) -> LRAdvi
         return None
     if base_lr is None or base_batch is None:
         raise AutobatchError(
-            f"base_lr and base_batch go together, but got base_lr={base_lr!r} and base_batch={base_batch!r}; "
-            "pass the learning rate and the global batch it was tuned at"
+            f"base_lr and base_batch go together, but only {'base_lr' if base_batch is None else 'base_batch'} "
+            "was given; pass the learning rate and the global batch it was tuned at"
         )
     if isinstance(base_lr, bool) or not isinstance(base_lr, numbers.Real) or not math.isfinite(base_lr) or base_lr <= 0:
         raise AutobatchError(f"base_lr must be a positive number, but got base_lr={base_lr!r}; pass e.g. 3e-4")

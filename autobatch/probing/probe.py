@@ -253,7 +253,7 @@ def probe(
     backend.release()  # a full collection again, the model built here included
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
-        workload=workload.name, fix="use a shorter sequence, bf16, gradient checkpointing, a smaller model or a larger device",
+        workload=workload.name, fix="use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, a smaller model or a larger device",
         gradient_bytes=gradient_bytes, extra=prior_report(prior),
     )
 
@@ -267,8 +267,9 @@ def result_from_search(outcome: SearchOutcome, backend: MemoryBackend, *, capaci
     """
     if outcome.max_batch == 0:
         first = outcome.trials[0]
+        smallest = f" (the smallest allowed: {assigned('min_micro', min_batch)})" if min_batch > 1 else ""
         raise NoBatchFitsError(
-            f"{context}even a batch of {min_batch} runs out of memory on {backend.info().name} "
+            f"{context}even a batch of {min_batch}{smallest} runs out of memory on {backend.info().name} "
             f"(capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); {fix}"
         )
     summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)

@@ -50,12 +50,14 @@ class Measurement:
     samples_per_second: float | None
     seconds_per_step: float | None
     trial_number: int
+    earlier_run: bool = False  # timed by an earlier run of the study: another process, not compared with this run's
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "trial": self.trial_number, "state": self.state, "micro_batch": self.candidate.plan.micro_batch,
             "grad_accum": self.candidate.plan.grad_accum, "grad_checkpointing": self.candidate.grad_checkpointing,
             "samples_per_second": self.samples_per_second, "seconds_per_step": self.seconds_per_step,
+            "earlier_run": self.earlier_run,
         }
 
 

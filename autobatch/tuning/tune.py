@@ -99,10 +99,14 @@ class TuneResult:
             verdict = "the largest micro batch is also the fastest plan measured"
         else:
             verdict = f"{self.speedup:.2f}× the throughput of the largest-micro plan"
+        earlier = sum(m.earlier_run for m in self.measurements)
+        note = ([f"(best and baseline timed in this run; {earlier} timing(s) from earlier runs of the study are "
+                 "listed, not compared: another process, another load)"] if earlier else [])
         return "\n".join([
             f"best:     {line(self.best)}",
             f"baseline: {line(self.baseline)} (largest micro batch)",
             f"speed-up: {verdict}",
+            *note,
             f"study {self.study_name} in {self.storage}: {len(self.candidates)} candidate plans, "
             f"{done} timed, {pruned} pruned",
         ])
@@ -124,6 +128,7 @@ class SlowerThanBestPruner:
         if not 0 < ratio < 1:
             raise AutobatchError(f"prune ratio must be in (0, 1), but got {ratio!r}; 0.5 prunes plans at half the best")
         self.ratio = ratio
+        self.since = 0  # the first trial of this run: earlier runs' timings are another process's
 
     def prune(self, study: Any, trial: Any) -> bool:
         optuna = _optuna()
@@ -131,7 +136,7 @@ class SlowerThanBestPruner:
         if step is None:
             return False
         done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        best = max((t.value for t in done if t.value is not None), default=None)
+        best = max((t.value for t in done if t.value is not None and t.number >= self.since), default=None)
         return best is not None and trial.intermediate_values[step] < self.ratio * best
 
     @classmethod
@@ -145,7 +150,7 @@ class _PlanOutOfMemory(Exception):
     """A plan ran out of memory while being timed: the trial fails, the study goes on."""
 
 
-def _measurements(study: Any, by_label: dict[str, Candidate]) -> list[Measurement]:
+def _measurements(study: Any, by_label: dict[str, Candidate], first_now: int = 0) -> list[Measurement]:
     result = []
     for t in study.get_trials(deepcopy=False):
         candidate = by_label.get(t.params.get("plan"))
@@ -154,7 +159,7 @@ def _measurements(study: Any, by_label: dict[str, Candidate]) -> list[Measuremen
         value = t.value if t.state.name == "COMPLETE" else (
             t.intermediate_values[t.last_step] if t.last_step is not None else None)
         seconds = t.user_attrs.get("seconds_per_step")
-        result.append(Measurement(candidate, t.state.name, value, seconds, t.number))
+        result.append(Measurement(candidate, t.state.name, value, seconds, t.number, earlier_run=t.number < first_now))
     return result
 
 
@@ -209,6 +214,9 @@ def tune(
     target = require_positive_int("target", target, fix="pass the global batch you want, e.g. 224")
     n_trials = require_positive_int("n_trials", n_trials, fix="run at least one trial, e.g. --trials 20")
     timed_steps = require_positive_int("timed_steps", timed_steps, fix="time at least one step, e.g. --timed-steps 3")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise AutobatchError(f"seed must be a whole number from 0 to {2**32 - 1} (optuna's sampler takes no other), "
+                             f"but got seed={seed!r}")
     backend = backend if backend is not None else make_backend()
     folder = Path(root) if root is not None else cache_dir()
     if storage is None:
@@ -239,14 +247,18 @@ def tune(
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
         with _storage_errors(storage):
+            pruner = SlowerThanBestPruner.create(prune_ratio)
             study = optuna.create_study(
                 storage=study_storage, study_name=study_name, direction="maximize", load_if_exists=True,
-                sampler=optuna.samplers.TPESampler(seed=seed), pruner=SlowerThanBestPruner.create(prune_ratio),
+                sampler=optuna.samplers.TPESampler(seed=seed), pruner=pruner,
             )
             study.set_user_attr("target", target)
             # Timings from an earlier run (another process, a cold or busy device) are not compared
-            # with this run's: the baseline is timed again first, and the speed-up uses this run's trials.
-            first_now = len(study.get_trials(deepcopy=False))
+            # with this run's: the baseline is timed again first, the pruner and the speed-up use this
+            # run's trials, and the sampler's seed moves on so a resumed study explores other plans.
+            first_now = pruner.since = len(study.get_trials(deepcopy=False))
+            if first_now and seed is not None:
+                study.sampler = optuna.samplers.TPESampler(seed=seed + first_now)
             study.enqueue_trial({"plan": baseline.label})
         models: dict[str, torch.nn.Module] = {}
 
@@ -285,16 +297,16 @@ def tune(
 
         def callback(study: Any, frozen: Any) -> None:
             if on_trial is not None:
-                for m in _measurements(study, by_label):
+                for m in _measurements(study, by_label, first_now):
                     if m.trial_number == frozen.number:
                         on_trial(m)
 
         study.optimize(objective, n_trials=n_trials, catch=(_PlanOutOfMemory,), callbacks=[callback])
     finally:
         optuna.logging.set_verbosity(verbosity)
-    measurements = _measurements(study, by_label)
+    measurements = _measurements(study, by_label, first_now)
     complete = [m for m in measurements if m.state == "COMPLETE" and m.samples_per_second is not None
-                and m.trial_number >= first_now]
+                and not m.earlier_run]
     base = next((m for m in complete if m.candidate == baseline), None)
     if not complete or base is None:
         raise AutobatchError(
@@ -315,6 +327,9 @@ def _storage_errors(storage: str) -> Iterator[None]:
         raise
     except Exception as exc:  # OSError, or the database library's own error classes
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if "not a database" in first or "malformed" in first:
+            raise AutobatchError(f"tune keeps its study in {storage}, which is damaged ({first}); `autobatch cache "
+                                 "clear` removes it (and the cached probes), or point AUTOBATCH_CACHE_DIR elsewhere") from None
         raise AutobatchError(
             f"tune keeps its study in {storage}, which must be writable, but it failed: {first}; "
             "point AUTOBATCH_CACHE_DIR at a writable folder"

@@ -31,7 +31,7 @@ class CudaBackend(MemoryBackend):
     def __init__(self, device: int | str | torch.device | None = None):
         if not torch.cuda.is_available():
             raise AutobatchError(
-                "the CUDA backend needs a CUDA GPU, but torch.cuda.is_available() is False; "
+                "the CUDA backend needs a CUDA GPU, but torch finds none on this machine; "
                 "probe on a simulated budget instead (--device cpu --memory 8GiB)"
             )
         self.device = resolve_cuda_device(device)

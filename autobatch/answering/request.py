@@ -21,24 +21,14 @@ import torch
 from ..errors import AutobatchError, RequestError, option
 from ..strategy import Strategy, parse_strategies
 from ..units import parse_bytes
+from .sizes import size_problems
 
-__all__ = ["Request", "MODES", "MAX_GPU_MEMORY"]
+__all__ = ["Request", "MODES"]
 
 MODES = ("solve", "estimate", "probe")
 _POSITIVE = ("target", "gpus_per_node", "nodes", "model_parallel", "max_micro", "min_micro", "micro_batch", "multiple_of",
              "base_batch", "train_seq_len", "num_classes")
 _OUTPUTS = ("deepspeed", "accelerate", "hf", "plot")
-MAX_GPU_MEMORY = 4 << 40
-
-
-def _host_memory() -> int | None:
-    """This machine's physical memory in bytes, where the OS says."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 @dataclass(frozen=True, kw_only=True)
 class Request:
     """What :func:`autobatch.answer` answers; every field has the name of its CLI flag in snake case.
@@ -274,7 +264,7 @@ class Request:
                     parse_bytes(value)
                 except (AutobatchError, ValueError, TypeError):
                     problems.append(f"{option(name)} must be a positive size (2GiB, 512MiB), but got {value!r}")
-        self._check_sizes(problems)
+        problems.extend(size_problems(self.memory, self.gpu_memory))
         if not isinstance(self.fragmentation, numbers.Real) or not math.isfinite(self.fragmentation) \
                 or self.fragmentation < 1:
             problems.append(f"{option('fragmentation')} is reserved ÷ allocated memory and must be a finite number "
@@ -302,26 +292,6 @@ class Request:
         if self.launched and self.device is not None and self.device.startswith("cuda:"):
             problems.append(f"under a launcher every rank probes its own GPU (LOCAL_RANK), but {option('device')} "
                             f"names {self.device} for all of them; drop {option('device')}")
-
-    def _check_sizes(self, problems: list[str]) -> None:
-        """A simulated budget trains real steps in this machine's memory; no GPU holds more than 4 TiB."""
-        from ..units import format_bytes
-
-        def size(value: Any) -> int | None:
-            try:
-                return None if value is None else parse_bytes(value)
-            except (AutobatchError, ValueError, TypeError):
-                return None  # said above
-
-        memory, gpu_memory = size(self.memory), size(self.gpu_memory)
-        host = _host_memory()
-        if memory is not None and host is not None and memory > host:
-            problems.append(f"{option('memory')} is a budget the probe's real steps run in on this machine, so it must "
-                            f"be at most its {format_bytes(host)} of RAM, but got {self.memory}; pass a smaller budget, "
-                            f"or estimate a larger GPU with `autobatch estimate --gpu-memory`")
-        if gpu_memory is not None and gpu_memory > MAX_GPU_MEMORY:
-            problems.append(f"{option('gpu_memory')} must be at most {format_bytes(MAX_GPU_MEMORY)} (no GPU holds more), "
-                            f"but got {self.gpu_memory}; pass one GPU's memory, e.g. 80GiB")
 
     def _check_rows(self, problems: list[str]) -> None:
         try:

@@ -39,21 +39,15 @@ timeout, as with accelerate's decorator.
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import logging
-import time
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from ..distributed.launch import DEFAULT_TIMEOUT_S
 from ..distributed.agreement import Comm, agreed_trial, collective, comm_device, share_trial
@@ -62,73 +56,17 @@ from ..errors import AutobatchError, NoBatchFitsError
 from ..guard import OOMGuard
 from ..planning.plan import Plan, require_positive_int
 from ..planning.solver import solve
-from ..probing.backends import CudaBackend, MemoryBackend
+from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
 from ..probing.heap import frozen_heap
-from ..probing.preserve import borrowed_model
 from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
 from ._common import world
+from .accelerate_trials import TrialStop, clear_device, default_backend, run_trial_of
 
 __all__ = ["find_executable_batch_size", "NoExecutableBatchSizeError", "TrialStop", "guard"]
 
 log = logging.getLogger("autobatch.integrations.accelerate")
-
-
-class TrialStop(BaseException):
-    """Raised from the optimizer hook when a trial has run its steps (a BaseException: ``except Exception`` lets it pass)."""
-
-
-class _StepCounter:
-    """Counts optimizer steps while installed and reads the peaks per phase; raises :class:`TrialStop` at the ``steps``-th.
-
-    Forward and backward (up to the optimizer's step) and the step itself peak differently; the
-    search draws a line per phase, as it does for :func:`autobatch.probe`'s trials.
-    """
-
-    def __init__(self, steps: int, backend: MemoryBackend | None):
-        self.steps, self.done, self.backend = steps, 0, backend
-        self.resident: int | None = None
-        self.forward_backward = self.optimizer = self.allocated = 0
-
-    def _read(self) -> int:
-        peak = self.backend.peak()
-        self.allocated = max(self.allocated, peak.allocated)
-        self.backend.reset_peak()
-        return peak.reserved
-
-    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.backend is not None:
-            self.forward_backward = max(self.forward_backward, self._read())
-
-    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.backend is not None:
-            self.optimizer = max(self.optimizer, self._read())
-        self.done += 1
-        if self.done >= self.steps:
-            # What stays between steps (weights, optimizer state: not the gradients, which the
-            # loop is about to clear) is where the search's chord starts, as in probe's trials.
-            if self.backend is not None:
-                grads = sum(p.grad.nbytes for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
-                self.resident = self.backend.allocated_bytes() - grads
-            raise TrialStop(f"{self.done} optimizer steps ran")
-
-    def finish(self) -> None:
-        """After the trial: a failure's peak belongs to the phase it happened in."""
-        if self.backend is not None:
-            self.forward_backward = max(self.forward_backward, self._read())
-
-
-def _default_backend() -> MemoryBackend | None:
-    return CudaBackend(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else None
-
-
-def _clear() -> None:
-    # A failed step's tensors die with its cleared frames; on a GPU, also hand the cache back.
-    # (gc.collect costs up to a second in a large process, so only where there is a cache.)
-    if torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def find_executable_batch_size(
@@ -195,7 +133,7 @@ def find_executable_batch_size(
             )
         if starting_batch_size < 1:  # as accelerate: said when the function is called, as a RuntimeError
             raise NoExecutableBatchSizeError(f"starting_batch_size is {starting_batch_size}")
-        device = backend if backend is not None else _default_backend()
+        device = backend if backend is not None else default_backend()
         comm = Comm(comm_device(device), DEFAULT_TIMEOUT_S) if world()[1] > 1 else None
         processes = accelerator.num_processes if accelerator is not None else world()[1]
         decorator.batch_sizes, decorator.trials, decorator.plan = [], (), None
@@ -212,7 +150,7 @@ def find_executable_batch_size(
                     accelerator.gradient_accumulation_steps = decorator.plan.grad_accum
                 log.info("autobatch: %s", decorator.plan)
             decorator.batch_sizes.append(batch)
-            _clear()
+            clear_device()
             line = None
             if comm is not None and not searched:
                 # In a process group no rank may run the whole function while another searches: the
@@ -240,7 +178,7 @@ def find_executable_batch_size(
                     if not is_oom_error(exc):
                         raise
                     line = oom_message(exc, 200)
-            _clear()
+            clear_device()
             if not searched:
                 searched = True
                 log.warning("autobatch: batch %d ran out of memory (%s); searching below it with %d-step trials",
@@ -356,7 +294,7 @@ def _agreed_trial(
     """
     modules = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module)]
     try:
-        trial = _trial(function, batch, args, kwargs, backend, steps, modules, finished)
+        trial = run_trial_of(function, batch, args, kwargs, backend, steps, modules, finished)
     except Exception:
         if comm is not None:
             share_trial(comm, None)
@@ -369,43 +307,3 @@ def _agreed_trial(
         raise RankFailedError(f"rank {failed[0]} failed in its trial at batch {batch}; every rank stopped with it "
                               f"(the error is in rank {failed[0]}'s log)", rank=failed[0])
     return agreed_trial(batch, [replace(t, batch=batch) for t in shared])
-
-
-def _trial(
-    function: Callable[..., Any], batch: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    backend: MemoryBackend | None, steps: int, modules: list[torch.nn.Module], finished: dict[int, Any],
-) -> Trial:
-    counter = _StepCounter(steps, backend)
-    error = None
-    start = time.perf_counter()
-    with ExitStack() as stack:
-        for module in modules:  # the user's modules come back bit for bit
-            device = next((p.device for p in module.parameters()), torch.device("cpu"))
-            stack.enter_context(borrowed_model(module, device))
-        if backend is not None:
-            backend.release()
-            stack.enter_context(backend.track([]))
-        handles = (register_optimizer_step_pre_hook(counter.before), register_optimizer_step_post_hook(counter))
-        try:
-            finished[batch] = function(batch, *args, **kwargs)
-        except TrialStop:
-            pass
-        except Exception as exc:
-            if not is_oom_error(exc):
-                raise
-            error = oom_message(exc)
-        finally:
-            for handle in handles:
-                handle.remove()
-        counter.finish()
-    _clear()
-    if backend is not None:
-        backend.release()
-    return Trial(
-        batch=batch, fits=error is None, peak_bytes=counter.allocated,
-        reserved_bytes=max(counter.forward_backward, counter.optimizer),
-        forward_backward_bytes=counter.forward_backward, optimizer_bytes=counter.optimizer,
-        resident_bytes=counter.resident if error is None else None,
-        seconds_per_step=(time.perf_counter() - start) / max(1, counter.done) if error is None else None,
-        error=error,
-    )

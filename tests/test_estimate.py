@@ -138,3 +138,18 @@ def test_cli_estimate_plans_and_writes_deepspeed(tmp_path):
     assert json.loads(out.read_text())["train_batch_size"] == 224
     data = json.loads(runner.invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu-memory", "2GiB", "--json"]).output)
     assert data["estimated"] is True and data["gpu"]["vendor"] == "custom" and data["max_batch"] >= data["safe_batch"] > 0
+
+
+def test_gradient_checkpointing_is_traced_and_leads_the_search():
+    # The fused attention route is not taken when the checkpoint recomputes the forward in backward:
+    # with it on both passes disagreed and torch refused (a traceback from estimate, no lead for find).
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    estimated = CliRunner().invoke(app, ["estimate", "--model", "tiny-gpt2", "--grad-checkpointing", "--max-micro", "8"])
+    assert estimated.exit_code == 0 and "estimated max batch 8" in estimated.stdout, estimated.output
+    found = CliRunner().invoke(app, ["find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB",
+                                     "--grad-checkpointing", "--no-cache"])
+    assert found.exit_code == 0 and "led by the fake-tensor trace" in found.stdout, found.output
+    assert "deprecated" not in found.stderr  # transformers' current name for the switch, not the old one

@@ -91,7 +91,7 @@ def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], No
             template = workload.model if isinstance(workload.model, torch.nn.Module) else None
             if template is not None:
                 how[chosen.label] = "a fake-tensor trace"
-                return workload, fake_backend(template, usable)
+                return workload, fake_backend(template, usable, fused_attention=not workload.grad_checkpointing)
         how[chosen.label] = "real steps on this CPU"
         note(f"{chosen.label} runs real steps on this CPU (its wrapper reads its tensors' data, so it "
              "cannot be traced on fake tensors): minutes for a large model")

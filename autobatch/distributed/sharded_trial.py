@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..errors import AutobatchError
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
+from ..probing.preserve import enable_checkpointing
 from ..probing.trial import PhasePeaks, Trial, batch_on
 from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
@@ -85,12 +85,7 @@ def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn
         p.grad = None
     model.train()
     if grad_checkpointing:
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if enable is None:
-            raise AutobatchError(
-                f"gradient checkpointing needs a model with gradient_checkpointing_enable(), but "
-                f"{type(model).__name__} has none; enable checkpointing inside your model instead")
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     return model
 
 

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for, require_materialized
+from ..probing.preserve import enable_checkpointing
 from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
 from ..probing.result import BatchResult
 from ..probing.search import search_max
@@ -154,13 +155,8 @@ def _rehome(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
 
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise AutobatchError(
-            f"grad_checkpointing needs a model with gradient_checkpointing_enable(), but {type(model).__name__} has none; "
-            "enable checkpointing inside the model and pass grad_checkpointing=False"
-        )
-    enable()
+    """:func:`~autobatch.probing.preserve.enable_checkpointing`, on a fake copy of the model."""
+    enable_checkpointing(model)
 
 
 def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_mode: Any,
@@ -170,6 +166,9 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
     ``model`` must already be fake (see :func:`fake_model`) under the same ``fake_mode``. A
     ``log`` (:class:`~autobatch.estimating.replay.AllocationLog`) records every request and free.
     """
+    # Gradient checkpointing recomputes the forward in backward, where the fused route is not taken:
+    # the two passes would save different tensors (torch refuses). The math path in both errs small.
+    fused_attention = fused_attention and not workload.grad_checkpointing
     raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention, log=log), batch)
     return replace(raw, seconds_per_step=None)
 

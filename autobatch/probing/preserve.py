@@ -10,7 +10,7 @@ import torch
 
 from ..errors import AutobatchError
 
-__all__ = ["borrowed_model", "kept_rng"]
+__all__ = ["enable_checkpointing", "disable_checkpointing", "borrowed_model", "kept_rng"]
 
 
 @contextmanager
@@ -72,11 +72,11 @@ def borrowed_model(
                     buffer_saves.append(save)
             model.train()
             if grad_checkpointing and not checkpointing_before:
-                _enable_checkpointing(model)
+                enable_checkpointing(model)
             yield model
         finally:
-            if grad_checkpointing and not checkpointing_before and hasattr(model, "gradient_checkpointing_disable"):
-                model.gradient_checkpointing_disable()
+            if grad_checkpointing and not checkpointing_before:
+                disable_checkpointing(model)
             with torch.no_grad():
                 for name, save in param_saves.items():
                     p = params[name]
@@ -118,7 +118,17 @@ def _checkpointing_on(model: torch.nn.Module) -> bool:
     return False
 
 
-def _enable_checkpointing(model: torch.nn.Module) -> None:
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on the model's gradient checkpointing, as transformers models name it (non-reentrant).
+
+    ``activation_checkpointing_enable`` where the model has it (current transformers, which
+    deprecates ``gradient_checkpointing_enable`` with a warning), else the older name; a model
+    with neither is refused in one line.
+    """
+    current = getattr(model, "activation_checkpointing_enable", None)
+    if current is not None:
+        current(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise AutobatchError(
@@ -129,3 +139,11 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     except TypeError:  # older transformers take no kwargs
         enable()
+
+
+def disable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn the model's gradient checkpointing off again (by the name it has)."""
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        if callable(getattr(model, name, None)):
+            getattr(model, name)()
+            return

@@ -32,7 +32,7 @@ def test_solve_keeps_the_users_keys_and_says_what_changed(tmp_path):
     assert result.exit_code == 0, result.output
     written = yaml.safe_load(path.read_text())
     assert written == {**USER, "num_processes": 3}
-    assert f"updated {path}: num_processes 8 → 3; kept 7 other keys as they were" in result.stdout
+    assert f"updated {path}: num_processes 8 → 3; kept 7 keys as they were" in result.stdout
 
 
 def test_solve_json_lists_the_changes(tmp_path):
@@ -40,7 +40,7 @@ def test_solve_json_lists_the_changes(tmp_path):
     path.write_text(yaml.safe_dump(USER))
     result = runner.invoke(app, ["solve", "--target", "24", "--gpus", "3", "--accelerate", str(path), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["changes"] == [f"{path}: num_processes 8 → 3; kept 7 other keys as they were"]
+    assert json.loads(result.stdout)["changes"] == [f"{path}: num_processes 8 → 3; kept 7 keys as they were"]
 
 
 def test_with_a_deepspeed_file_only_what_accelerate_refuses_goes():

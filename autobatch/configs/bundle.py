@@ -21,6 +21,14 @@ __all__ = ["check_plan_outputs", "write_plan_configs"]
 PathLike = str | os.PathLike[str]
 
 
+def _has_comments(path: PathLike) -> bool:
+    """Whether a JSON file holds comments (DeepSpeed reads it as HJSON) or a YAML file ``#`` lines: a rewrite loses them."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if Path(path).suffix.lower() in _YAML:
+        return any(line.lstrip().startswith("#") or " #" in line for line in text.splitlines())
+    return "//" in text or "/*" in text or any(line.lstrip().startswith("#") for line in text.splitlines())
+
+
 def _accelerate_precision(path: PathLike | None) -> str | None:
     """The ``mixed_precision`` an existing accelerate file holds (it moves into the DeepSpeed JSON)."""
     if path is None or not os.path.exists(path):
@@ -95,15 +103,24 @@ def write_plan_configs(
     written = {} if written is None else written
     changes = [] if changes is None else changes
 
+    commented: set[str] = set()
+
+    def _commented(path: PathLike) -> bool:
+        return os.fspath(path) in commented
+
     def merged(path: PathLike, write: Callable[[], object]) -> None:
         before = read_config(path) if os.path.exists(path) else None
+        if before is not None and _has_comments(path):
+            commented.add(os.fspath(path))
         write()
         if before is not None:
             after = read_config(path)
             what = describe_changes(before, after)
             kept = len([k for k in before if k in after and before[k] == after[k]])
+            comments = " (its comments were not kept: the file is written anew)" if _commented(path) else ""
             changes.append(f"{os.fspath(path)}: " + ("; ".join(what) if what else "nothing changed")
-                           + f"; kept {kept} other key{'s' if kept != 1 else ''} as they were")
+                           + f"; kept {kept} key{'s' if kept != 1 else ''} as {'they were' if kept != 1 else 'it was'}"
+                           + comments)
 
     if deepspeed is not None:
         moved = precision or _accelerate_precision(accelerate)

@@ -358,3 +358,16 @@ def test_a_file_that_leaves_every_batch_key_to_the_launcher_is_not_ok_without_nu
     result = check_setup(deepspeed=ds)
     assert [p.code for p in result.problems] == ["deepspeed-unchecked"]
     assert check_setup(deepspeed=ds, micro_batch=4, grad_accum=2, gpus_per_node=2).ok  # the numbers fill them
+
+
+def test_a_deepspeed_file_written_for_16_gpus_says_so_when_checked_without_the_count(tmp_path):
+    from autobatch import check_setup, deepspeed_config, solve
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(deepspeed_config(solve(224, gpus_per_node=16, max_micro=9))))
+    result = check_setup(deepspeed=ds)
+    assert [p.code for p in result.problems] == ["deepspeed-assertion"]
+    assert result.problems[0].fix.startswith("the file holds together on 16 data-parallel ranks: if that is the job, "
+                                             "pass the GPUs (--gpus 16")
+    assert "on 1 GPU use" in result.problems[0].fix
+    assert check_setup(deepspeed=ds, gpus_per_node=16).ok

@@ -182,7 +182,8 @@ def _fix_for(target: int, gpus: int, nodes: int, mp: int, min_micro: int) -> str
     plans = exact_plans(target, gpus, nodes, min_micro=min_micro, model_parallel=mp)
     if plans:
         return (
-            f"for a global batch of {target} on {plans[0].world_size} GPUs use micro batch × accumulation = "
+            f"for a global batch of {target} on {plans[0].world_size} GPU{'s' if plans[0].world_size != 1 else ''} "
+            "use micro batch × accumulation = "
             f"{_pairs_text(plans)}"
         )
     try:

@@ -142,7 +142,7 @@ def check_setup(
         if (gpus * node_count) % mp:
             c.add(
                 "model-parallel",
-                f"model_parallel must divide the GPU count, but {mp} does not divide {gpus * node_count} "
+                f"the model-parallel degree must divide the GPU count, but {mp} does not divide {gpus * node_count} "
                 f"({gpus} per node × {node_count} node{'s' if node_count != 1 else ''})",
                 "use a tensor × pipeline degree that divides the number of GPUs",
                 model_parallel=mp, gpus=gpus * node_count,

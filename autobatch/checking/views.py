@@ -75,7 +75,7 @@ def _flags_view(c: _Collector, given: _Batch, world: int, topo: tuple[int, int, 
         return given
     per_rank = target // world
     if micro is None and accum is None:
-        c.note("no micro_batch or grad_accum given: assumed grad_accum 1, as DeepSpeed does")
+        c.note("no micro batch or accumulation given: assumed accumulation 1, as DeepSpeed does")
         return _Batch(target, per_rank, 1, {"micro", "accum"})
     if micro is None:
         if per_rank % accum:
@@ -226,10 +226,20 @@ def _deepspeed_view(
             "deepspeed-assertion",
             f"DeepSpeed asserts {TRAIN_BATCH_SIZE} == {MICRO_BATCH} × {GRAD_ACCUM} × world_size, but {label} "
             f"gives {target} != {micro} × {accum} × {world} = {micro * accum * world}{derivation}",
-            _fix_for(target, *topo, min_micro),
+            _implied_world(target, micro * accum, world, topo) + _fix_for(target, *topo, min_micro),
             train_batch_size=target, micro_batch=micro, grad_accum=accum, world_size=world,
         )
     return batch
+
+
+def _implied_world(target: int, per_rank: int, world: int, topo: tuple[int, int, int]) -> str:
+    """When the file holds together on another number of ranks (the GPU count was not given): which."""
+    if per_rank < 1 or target % per_rank or target // per_rank == world:
+        return ""
+    ranks = target // per_rank
+    mp = topo[2]
+    return (f"the file holds together on {ranks} data-parallel ranks: if that is the job, pass the GPUs "
+            f"(--gpus {ranks * mp}{f' with --model-parallel {mp}' if mp > 1 else ''}, or --gpus and --nodes); otherwise ")
 
 
 def _compare(c: _Collector, code: str, label: str, theirs: dict[str, int | None], ours: _Batch, names: dict[str, str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ._app import command, in_flags, outputs
+from ._app import command, outputs
 from .options import (
     AccelerateOut,
     AsJson,
@@ -122,8 +122,6 @@ def check_command(
     result = check(target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
                    model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
                    model=model, seq_len=seq_len, trust_remote_code=trust_remote_code, strategy=strategy)
-    # The report names options in Python (micro_batch, model_parallel); on the command line, the flags.
-    typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json
-               else "\n".join(in_flags(line) for line in result.report().splitlines()))
+    typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:
         raise typer.Exit(1)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import importlib.util
 import sys
@@ -241,10 +242,17 @@ def _import_function(spec: str) -> Callable[[], Any]:
         else:
             module = importlib.import_module(target)
     except ModuleNotFoundError as exc:
+        if exc.name and not target.replace("/", ".").removesuffix(".py").endswith(exc.name):
+            raise  # the file imports a module that is not installed: the user's code, said with its line
         raise AutobatchError(f"cannot import {target!r} for --model {spec!r}: {exc}; check the module path") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise AutobatchError(f"{target!r} has no function {attr!r}; --model takes module:function or file.py:function")
+    required = [p.name for p in inspect.signature(fn).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required:
+        raise AutobatchError(f"--model {spec!r} is called with no arguments, but {attr}() needs "
+                             f"{', '.join(required)}; give them defaults, or wrap it in a function that takes none")
     return fn
 
 

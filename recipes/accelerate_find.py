@@ -6,9 +6,10 @@ On GPUs, drop --memory and start it with ``accelerate launch --num_processes N r
 the ranks agree after every trial.
 
 What it shows: the training function is written exactly as for accelerate's decorator (model,
-optimizer and DataLoader built inside from ``batch_size``). The first run at 4096 runs out of
-memory; autobatch then runs 2-step trials of the same function to find the exact largest batch
-(accelerate would retry at 3686, 3317, … and stop up to 10 % under it), picks the largest micro
+optimizer and DataLoader built inside from ``batch_size``). With a target of 1024 the first run is
+at 1024 (the plan's micro batch within 4096), and runs out of memory; autobatch then runs 2-step
+trials of the same function below it to find the exact largest batch (accelerate would retry at
+921, 828, … and stop up to 10 % under it), picks the largest micro
 batch that divides the target, and sets the Accelerator's gradient accumulation so that micro
 batch × accumulation × processes = --target; ``accelerator.accumulate`` then steps once per target.
 (``recipes/guard_loop.py`` shows how to survive a rare longer batch later in training.)

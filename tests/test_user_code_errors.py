@@ -19,6 +19,8 @@ def user(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shutil.copy(DATA / "user_errors.py", tmp_path / "user.py")
     (tmp_path / "broken.py").write_text("def build(:\n    pass\n")
+    (tmp_path / "needs.py").write_text("import torch\ndef build(width):\n    return torch.nn.Linear(width, 2)\n")
+    (tmp_path / "missing.py").write_text("import torchh\ndef build():\n    pass\n")
     return tmp_path
 
 
@@ -47,6 +49,9 @@ CASES = [
     (["broken.py:build"], "importing the --model file failed: SyntaxError", "broken.py:1"),
     ([":build"], "--model ':build' must be file.py:function or package.module:function", "train.py:build_model"),
     (["user.py:exits"], "the --model function called sys.exit(3)", "user.py:75 in exits"),
+    (["needs.py:build"], "--model 'needs.py:build' is called with no arguments, but build() needs width", "defaults"),
+    (["missing.py:build"], "importing the --model file raised ModuleNotFoundError: No module named 'torchh'",
+     "missing.py:1 in <module>"),
 ]
 
 

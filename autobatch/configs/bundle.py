@@ -125,7 +125,7 @@ def write_plan_configs(
     if deepspeed is not None:
         moved = precision or _accelerate_precision(accelerate)
         merged(deepspeed, lambda: write_deepspeed_config(plan, deepspeed, keep_auto=keep_auto,
-                                                         for_accelerate=accelerate is not None,
+                                                         for_accelerate=True,  # the HF line names it too
                                                          strategy=strategy, probed_zero=probed_zero, precision=moved))
         written["deepspeed_config"] = str(deepspeed)
     if accelerate is not None:

@@ -78,6 +78,9 @@ def check_plot_path(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         raise AutobatchError(f"--plot must name a PNG file, but {str(path)!r} is a directory; pass e.g. {str(path / 'probe.png')!r}")
+    if path.suffix.lower() != ".png":
+        raise AutobatchError(f"--plot writes a PNG, so its name must end in .png, but got {str(path)!r}; "
+                             f"pass e.g. {str(path.with_suffix('.png'))!r}")
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise AutobatchError(f"--plot must be inside a folder, but {str(parent)!r} is a file; pick another path")

@@ -103,7 +103,7 @@ def test_cache_clear_on_a_read_only_cache_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
     (tmp_path / "probe").mkdir()
-    (tmp_path / "probe" / "x.json").write_text("{}")
+    (tmp_path / "probe" / ("a" * 64 + ".json")).write_text("{}")  # an entry as autobatch names them
 
     def refuse(self, missing_ok=False):
         raise PermissionError(13, "Permission denied", str(self))

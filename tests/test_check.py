@@ -371,3 +371,16 @@ def test_a_deepspeed_file_written_for_16_gpus_says_so_when_checked_without_the_c
                                              "pass the GPUs (--gpus 16")
     assert "on 1 GPU use" in result.problems[0].fix
     assert check_setup(deepspeed=ds, gpus_per_node=16).ok
+
+
+def test_configs_solve_wrote_for_model_parallelism_say_which_degree_when_checked_without_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    ds, acc = tmp_path / "mp.json", tmp_path / "mp.yaml"
+    CliRunner().invoke(app, ["solve", "--target", "96", "--gpus", "4", "--nodes", "3", "--model-parallel", "2",
+                             "--max-micro", "5", "--deepspeed", str(ds), "--accelerate", str(acc)])
+    result = check_setup(accelerate=acc)
+    assert "pass --model-parallel 2" in result.problems[0].fix
+    assert check_setup(accelerate=acc, model_parallel=2).ok

@@ -185,3 +185,14 @@ def test_cache_gpus_and_models_json_are_the_calls(monkeypatch, tmp_path):
     assert cli_json("cache", "list") == autobatch.cache_listing().to_dict()
     assert cli_json("gpus")["gpus"] == [g.to_dict() for g in autobatch.GPUS.values()]
     assert cli_json("models") == autobatch.list_models()
+
+
+def test_a_length_table_json_has_the_plans_numbers_at_the_top_as_every_answer_does():
+    data = cli_json("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--seq-len", "32,64",
+                    "--max-micro", "16", "--target", "32")
+    assert data["global_batch"] == 32 and data["micro_batch"] * data["grad_accum"] == 32 and "lengths" in data
+
+
+def test_an_estimate_in_bf16_for_a_card_without_it_says_so():
+    report = answer(Request(model="tiny-gpt2", gpu="t4", dtype="bf16", estimate=True, max_micro=4))
+    assert any("t4 has no bf16" in note for note in report.notes)

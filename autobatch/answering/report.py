@@ -98,8 +98,8 @@ class Report:
 
     def _lengths_dict(self) -> dict[str, Any]:
         table, plan = self.lengths, self.plan
-        if len(table.rows) > 1:
-            return {**table.to_dict(), "plan": plan.to_dict()}
+        if len(table.rows) > 1:  # the plan's numbers at the top too, as every other answer has them
+            return {**plan_summary(plan), **table.to_dict(), "plan": plan.to_dict()}
         row = table.train_row  # one length: the keys `find --json` always had, and the evaluation batch
         data = (Finding(row.train, plan).to_dict() if not table.estimated
                 else {**plan_summary(plan), **row.train.to_dict(), "plan": plan.to_dict()})

@@ -15,22 +15,13 @@ pl = need("lightning.pytorch")
 
 from autobatch.errors import AutobatchError  # noqa: E402
 from autobatch.integrations.lightning import AutoBatch  # noqa: E402
+from tests.test_integration_lightning import Data as TrainingData  # noqa: E402
 
 
-class Data(pl.LightningDataModule):
-    def __init__(self, batch_size: int = 4):
-        super().__init__()
-        self.batch_size = batch_size
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(512, 32, generator=g), torch.randint(0, 4, (512,), generator=g)
+class Data(TrainingData):
+    """The training data module of tests/test_integration_lightning.py, with a loader for every stage."""
 
-    def _loader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=self.batch_size)
-
-    def train_dataloader(self):
-        return self._loader()
-
-    val_dataloader = test_dataloader = predict_dataloader = train_dataloader
+    val_dataloader = test_dataloader = predict_dataloader = TrainingData.train_dataloader
 
 
 class Net(pl.LightningModule):

@@ -7,8 +7,7 @@ it; ``tune_plans`` times the exact plans of a :class:`~autobatch.Request`; ``cac
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,25 +24,13 @@ from .rows import workload_of
 __all__ = ["CacheListing", "check", "tune_plans", "cache_listing", "clear_cache"]
 
 
-def check(
-    *,
-    target: int | None = None,
-    micro_batch: int | None = None,
-    grad_accum: int | None = None,
-    gpus_per_node: int | None = None,
-    nodes: int | None = None,
-    model_parallel: int = 1,
-    deepspeed: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-    accelerate: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-    batchnorm: bool | None = None,
-    model: str | torch.nn.Module | None = None,
-    seq_len: int | None = None,
-    trust_remote_code: bool = False,
-    strategy: str | None = None,
-) -> CheckResult:
-    """Every batch-size problem of a setup, before launch: :func:`~autobatch.check_setup` with a model
-    named as ``--model`` names it (only its layers are built, on the meta device), and the lengths
-    ``find`` probed it at (from the cache) to compare ``seq_len`` with.
+def check(*, model: str | torch.nn.Module | None = None, seq_len: int | None = None, trust_remote_code: bool = False,
+          strategy: str | None = None, **setup: Any) -> CheckResult:
+    """Every batch-size problem of a setup, before launch: :func:`~autobatch.check_setup` (``setup``
+    takes its keywords: ``target``, ``micro_batch``, ``grad_accum``, ``gpus_per_node``, ``nodes``,
+    ``model_parallel``, ``deepspeed``, ``accelerate``, ``batchnorm``) with a model named as
+    ``--model`` names it (only its layers are built, on the meta device), and the lengths ``find``
+    probed it at (from the cache) to compare ``seq_len`` with.
 
     Example:
         >>> import autobatch
@@ -67,9 +54,7 @@ def check(
         from ..tuning.probed import probed_lengths
 
         probed = probed_lengths(module)
-    return check_setup(target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus_per_node,
-                       nodes=nodes, model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate,
-                       batchnorm=batchnorm, model=module, seq_len=seq_len, probed=probed, probed_strategy=strategy)
+    return check_setup(**setup, model=module, seq_len=seq_len, probed=probed, probed_strategy=strategy)
 
 
 def tune_plans(request: Request, *, trials: int = 20, timed_steps: int = 3, checkpointing: Sequence[bool] | None = None,

@@ -151,8 +151,8 @@ def _validate(micro_batch: Any, grad_accum: Any, world_size: Any, tolerance: Any
     for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{name} must be a positive integer, but got {name}={value!r}")
-    if not isinstance(tolerance, (int, float)) or not tolerance > 0:
-        problems.append(f"tolerance must be a positive number, but got tolerance={tolerance!r}")
+    if not isinstance(tolerance, (int, float)) or not 0 < tolerance < float("inf"):
+        problems.append(f"tolerance must be a positive finite number, but got tolerance={tolerance!r}")
     if mode not in ("naive", "normalised"):
         problems.append(f"mode must be 'naive' or 'normalised', but got mode={mode!r}")
     if not has_loss:

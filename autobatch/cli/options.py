@@ -38,8 +38,8 @@ FLAGS = {
     "gpu": "--gpu", "gpu_memory": "--gpu-memory", "fragmentation": "--fragmentation", "workspace": "--workspace",
     "cache": "--no-cache", "trace_prior": "--no-trace-prior", "timeout": "--timeout", "deepspeed": "--deepspeed",
     "accelerate": "--accelerate", "hf": "--hf", "plot": "--plot", "keep_auto": "--keep-auto", "script": "--script",
-    # a setup that `check` and `verify-ga` read
-    "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+    # a setup that `check` and `verify-ga` read, and their own options
+    "micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "tolerance": "--tolerance", "seed": "--seed",
 }
 _RENAMED = {"gpus": "gpus_per_node"}
 _NEGATED = {"no_cache": "cache", "no_trace_prior": "trace_prior"}

@@ -30,8 +30,7 @@ def verify_ga_command(
         False, "--normalised/--naive", show_default="--naive",
         help="Check autobatch's token-normalised loss, or the naive mean per micro-batch / GA.",
     ),
-    tolerance: float = typer.Option(1e-5, "--tolerance", min=0.0, max=1.0,
-                                    help="Largest overall relative gradient error that passes (0 to 1)."),
+    tolerance: float = typer.Option(1e-5, "--tolerance", min=0.0, help="Largest overall relative gradient error that passes."),
     seed: int = typer.Option(0, "--seed", help="Seed for the weights, the batch and every forward pass."),
     as_json: AsJson = False,
 ) -> None:

@@ -92,7 +92,7 @@ class RequestError(ConfigError):
 
 # The library's functions that hand control to the user's code, and what that code was doing.
 _HANDOFFS = {
-    "_import_function": "importing the --model file",
+    "_import_function": "importing the --model file or module",
     "_user_model": "the --model function",
     "batch_on": "make_batch(b)",
     "step_loss": "the loss (loss_fn: the model's forward and the loss)",

@@ -242,7 +242,8 @@ def _import_function(spec: str) -> Callable[[], Any]:
         else:
             module = importlib.import_module(target)
     except ModuleNotFoundError as exc:
-        if exc.name and not target.replace("/", ".").removesuffix(".py").endswith(exc.name):
+        module_path = target.replace("/", ".").removesuffix(".py")
+        if exc.name and not (module_path.endswith(exc.name) or module_path.startswith(exc.name + ".")):
             raise  # the file imports a module that is not installed: the user's code, said with its line
         raise AutobatchError(f"cannot import {target!r} for --model {spec!r}: {exc}; check the module path") from None
     fn = getattr(module, attr, None)

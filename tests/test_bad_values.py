@@ -120,3 +120,20 @@ def test_a_deepspeed_file_the_hf_line_names_gets_the_section_hf_and_accelerate_n
     result = invoke("solve", "--target", "64", "--gpus", "8", "--max-micro", "8", "--deepspeed", str(ds))
     assert result.exit_code == 0 and f"--deepspeed {ds}" in result.stdout
     assert json.loads(ds.read_text())["zero_optimization"] == {"stage": 0} and json.loads(ds.read_text())["x"] == 1
+
+
+def test_what_flags_and_keywords_are_told_names_only_what_was_given():
+    from autobatch import Request, RequestError
+
+    with pytest.raises(RequestError, match="memory needs a unit as a string .'8' would be 8 bytes."):
+        Request(model="tiny-mlp", device="cpu", memory="8")
+    line = one_line(invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "1MiB", "--offload", "optimizer"))
+    assert "--offload describes a sharded strategy" in line and "--fsdp-unit" not in line
+    line = one_line(invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--seq-len", "32,64",
+                           "--strategy", "zero2"))
+    assert "pass one --seq-len" in line and "--eval" not in line
+
+
+def test_a_fraction_below_one_per_gpu_is_not_shown_as_one():
+    line = one_line(invoke("solve", "--target", "18446744073709551600", "--gpus", "18446744073709551615"))
+    assert "= 0.9999… per GPU, and DeepSpeed would floor that to 0" in line

@@ -58,3 +58,19 @@ def test_gpu_ids_that_contradict_the_plans_processes_become_all(tmp_path):
     acc.write_text("gpu_ids: 0,1,2,3,4,5,6,7\nnum_processes: 8\n")
     invoke("solve", "--target", "64", "--gpus", "8", "--max-micro", "8", "--accelerate", str(acc))
     assert yaml.safe_load(acc.read_text())["gpu_ids"] == "0,1,2,3,4,5,6,7"  # consistent: kept as the user set it
+
+
+def test_existing_files_in_the_other_precision_are_switched_not_left_contradicting(tmp_path):
+    ds, hf, acc = tmp_path / "ds.json", tmp_path / "hf.json", tmp_path / "a.yaml"
+    ds.write_text(json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": False}, "zero_optimization": {"stage": 0}}))
+    hf.write_text(json.dumps({"fp16": True, "learning_rate": 0.001}))
+    acc.write_text("mixed_precision: fp16\n")
+    common = ["find", "--model", "tiny-gpt2", "--target", "64", "--device", "cpu", "--memory", "8MiB", "--dtype", "bf16",
+              "--no-cache"]
+    invoke(*common, "--deepspeed", str(ds), "--hf", str(hf))
+    written = json.loads(ds.read_text())
+    assert written["bf16"] == {"enabled": True} and written["fp16"] == {"enabled": False}
+    args = json.loads(hf.read_text())
+    assert args["bf16"] is True and "fp16" not in args and args["learning_rate"] == 0.001
+    invoke(*common, "--gpus", "2", "--accelerate", str(acc))
+    assert yaml.safe_load(acc.read_text())["mixed_precision"] == "bf16"

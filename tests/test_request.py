@@ -45,7 +45,7 @@ def test_every_problem_is_found_on_construction_in_python_names():
                  "max_micro (2) must be at least min_micro (4)",
                  "headroom must be a fraction", "dtype must be one of fp32, bf16, fp16, but got 'fp8'",
                  "gpu names a GPU to estimate for, but find probes device cpu",
-                 "offload and fsdp_unit describe a sharded strategy, but no strategy was given",
+                 "offload describes a sharded strategy, but no strategy was given; add strategy zero3",
                  "--deepspeed must end in .json"):
         assert said in message, message
     assert len(caught.value.problems) == 7

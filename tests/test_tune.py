@@ -129,7 +129,7 @@ def test_a_resumed_study_times_its_baseline_again_before_claiming_a_speedup(tmp_
     assert second.baseline.trial_number == 1 and second.baseline.samples_per_second == 40.0
     assert second.speedup == 1.0 and len(second.measurements) == 3
     assert [m.earlier_run for m in second.measurements] == [True, False, False]
-    assert "timing(s) from earlier runs of the study are listed, not compared" in str(second)
+    assert "timing(s) from earlier runs are in --json as earlier_run, not compared" in str(second)
     # this run's own timings only: 40 is not pruned against an earlier, faster machine's figure
     rate["now"] = 1000.0
     tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=1, root=tmp_path, max_batch=64)

@@ -50,7 +50,7 @@ CASES = [
     ([":build"], "--model ':build' must be file.py:function or package.module:function", "train.py:build_model"),
     (["user.py:exits"], "the --model function called sys.exit(3)", "user.py:75 in exits"),
     (["needs.py:build"], "--model 'needs.py:build' is called with no arguments, but build() needs width", "defaults"),
-    (["missing.py:build"], "importing the --model file raised ModuleNotFoundError: No module named 'torchh'",
+    (["missing.py:build"], "importing the --model file or module raised ModuleNotFoundError: No module named 'torchh'",
      "missing.py:1 in <module>"),
 ]
 

@@ -79,8 +79,10 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` of every command that answers a request; the keys scripts read stay put:
-        ``max_batch``, ``safe_batch``, ``plan``, ``probe``, ``trials``, ``strategies``."""
-        tail = {**self.written, **({"changes": list(self.changes)} if self.changes else {})}
+        ``max_batch``, ``safe_batch``, ``plan``, ``probe``, ``trials``, ``strategies``; ``notes`` holds
+        what was said on the way (on stderr), when anything was."""
+        tail = {**self.written, **({"changes": list(self.changes)} if self.changes else {}),
+                **({"notes": list(self.notes)} if self.notes else {})}
         if self.mode == "solve":
             return {**self.plan.to_dict(), **tail}
         if self.lengths is not None:
@@ -99,7 +101,8 @@ class Report:
     def _lengths_dict(self) -> dict[str, Any]:
         table, plan = self.lengths, self.plan
         if len(table.rows) > 1:  # the plan's numbers at the top too, as every other answer has them
-            return {**plan_summary(plan), **table.to_dict(), "plan": plan.to_dict()}
+            evaluation = {} if self.eval_batch is None else {"eval_safe_batch": self.eval_batch}
+            return {**plan_summary(plan), **evaluation, **table.to_dict(), "plan": plan.to_dict()}
         row = table.train_row  # one length: the keys `find --json` always had, and the evaluation batch
         data = (Finding(row.train, plan).to_dict() if not table.estimated
                 else {**plan_summary(plan), **row.train.to_dict(), "plan": plan.to_dict()})

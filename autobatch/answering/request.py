@@ -259,6 +259,10 @@ class Request:
     def _check_device(self, problems: list[str]) -> None:
         for name in ("memory", "gpu_memory", "workspace"):
             value = getattr(self, name)
+            if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
+                problems.append(f"{option(name)} needs a unit as a string ({value!r} would be {value} bytes); write "
+                                f"e.g. '{value.strip()}GiB', or pass a number of bytes as an int")
+                continue
             if value is not None:
                 try:
                     parse_bytes(value)
@@ -299,9 +303,11 @@ class Request:
         except AutobatchError as exc:
             problems.append(str(exc))
             strategies = None
-        if self.strategy is None and (self.offload is not None or self.fsdp_unit is not None):
-            problems.append(f"{option('offload')} and {option('fsdp_unit')} describe a sharded strategy, but no "
-                            f"{option('strategy')} was given; add {option('strategy')} zero3 (or fsdp2, …)")
+        given = [name for name in ("offload", "fsdp_unit") if getattr(self, name) is not None]
+        if self.strategy is None and given:
+            problems.append(f"{' and '.join(option(n) for n in given)} describe{'s' if len(given) == 1 else ''} a "
+                            f"sharded strategy, but no {option('strategy')} was given; add {option('strategy')} "
+                            f"{'zero3' if given == ['offload'] else 'fsdp2'}")
         lengths = self.lengths
         if lengths is not None and any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
                                        for s in lengths):
@@ -320,8 +326,9 @@ class Request:
             problems.append(f"configs and plots are written for one strategy, but {option('strategy')} names "
                             f"{len(strategies)}; compare them first, then run again with the one you pick")
         if self.table and strategies is not None:
-            problems.append(f"{option('strategy')} probes one sequence length for training; drop {option('evaluation')} "
-                            f"and pass one {option('seq_len')}")
+            drop = f"drop {option('evaluation')} and " if self.evaluation else ""
+            problems.append(f"{option('strategy')} probes one sequence length for training; {drop}pass one "
+                            f"{option('seq_len')}")
         if self.table and self.plot is not None:
             problems.append(f"{option('plot')} draws one probe's memory curve; with several {option('seq_len')} values "
                             f"or {option('evaluation')} there is no single curve to draw: drop {option('plot')}")

@@ -313,7 +313,7 @@ def _likely_cause(status: str, mode: str, batchnorm: bool, m: _Measured, grad_ac
             f"and {max(m.counts)} tokens, so a token in a short micro-batch weighs up to "
             f"{max(m.counts) / max(min(m.counts), 1):.1f}× more than one in a long micro-batch. Use autobatch's "
             "token-normalised loss: sum the per-token losses and divide by the tokens of the whole accumulated "
-            "batch (count_loss_tokens + LossNormaliser.token_loss); check it with mode=\"normalised\" (--normalised)."
+            "batch (count_loss_tokens + LossNormaliser.token_loss); check it with the normalised mode (--normalised on the command line)."
         )
     if mode == "naive" and varied:
         return (

@@ -163,8 +163,6 @@ def _print_probe(report: Any) -> None:
 
 
 def _print_lengths(report: Any) -> None:
-    from .. import hf_flags
-
     table, plan, eval_batch = report.lengths, report.plan, report.eval_batch
     for line in table.lines():
         typer.echo(line)
@@ -173,10 +171,11 @@ def _print_lengths(report: Any) -> None:
     if eval_batch is not None:
         typer.echo(f"evaluation{where}: per_device_eval_batch_size {eval_batch} "
                    f"(max {table.train_row.eval.max_batch}, forward under torch.no_grad())")
-    flags = hf_flags(plan, report.request.deepspeed, **report.training())
-    if eval_batch is not None:
-        flags += ["--per_device_eval_batch_size", str(eval_batch)]
-    typer.echo(f"HF TrainingArguments: {' '.join(flags)}")
+    lines = plan_lines(plan, **_launch(report))
+    if eval_batch is not None:  # the HF line carries the evaluation batch too
+        lines[0] += f" --per_device_eval_batch_size {eval_batch}"
+    for line in lines:
+        typer.echo(line)
     print_written(report.written)
     for line in report.changes:
         typer.echo(f"updated {line}")

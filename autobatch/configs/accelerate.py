@@ -232,7 +232,7 @@ def merge_accelerate_config(
         section = config.get("deepspeed_config")
         if kind == "DEEPSPEED" and isinstance(section, dict) and "gradient_accumulation_steps" in section:
             config["deepspeed_config"] = {**section, "gradient_accumulation_steps": plan.grad_accum}
-        if precision in ("bf16", "fp16") and config.get("mixed_precision", "no") == "no":
+        if precision in ("bf16", "fp16"):
             config["mixed_precision"] = precision  # the batch was probed with it: it fits only with it
     if plan.nodes > 1:
         config.setdefault("main_process_port", 29500)

@@ -138,6 +138,8 @@ def write_plan_configs(
         args = hf_training_args(plan, deepspeed, eval_batch=eval_batch, strategy=strategy, precision=precision,
                                 grad_checkpointing=grad_checkpointing)
         sharded_by = {"fsdp", "fsdp_config"} if "deepspeed" in args else {"deepspeed"} if "fsdp" in args else set()
+        if precision in ("bf16", "fp16"):  # the Trainer refuses fp16 and bf16 both on
+            sharded_by.add("fp16" if precision == "bf16" else "bf16")
 
         def hf_merged() -> None:
             before = read_config(hf) if os.path.exists(hf) else {}

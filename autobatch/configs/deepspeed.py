@@ -98,8 +98,8 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
             written (see :func:`zero_section`), so the file trains as the probe measured.
         probed_zero: The ``zero_optimization`` values the probe ran with (bucket sizes).
         precision: ``"bf16"`` or ``"fp16"``, what the micro batch was probed with (or what the
-            accelerate config held, which accelerate refuses beside a DeepSpeed file): added as
-            ``{"enabled": true}`` unless the config already says its precision.
+            accelerate config held, which accelerate refuses beside a DeepSpeed file): enabled, and
+            the other one disabled where the config had it on.
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -113,8 +113,12 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         if keep_auto and config.get(key) == "auto":
             continue
         config[key] = value
-    if precision in ("bf16", "fp16") and "bf16" not in config and "fp16" not in config:
-        config[precision] = {"enabled": True}
+    if precision in ("bf16", "fp16"):  # the batch was probed so: this precision on, the other off
+        other = "fp16" if precision == "bf16" else "bf16"
+        section = config.get(precision)
+        config[precision] = {**(section if isinstance(section, dict) else {}), "enabled": True}
+        if isinstance(config.get(other), dict) and config[other].get("enabled"):
+            config[other] = {**config[other], "enabled": False}
     if strategy is not None:
         config[ZERO_OPTIMIZATION] = zero_section(strategy, config.get(ZERO_OPTIMIZATION), probed_zero)
     elif existing is None:

@@ -116,8 +116,19 @@ def probe_sharded(
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
         workload=workload.name, context=f"under {strategy.label} on {world_size} rank{'s' if world_size != 1 else ''}, ",
-        fix=("shard more (fsdp2, zero3), bf16, gradient checkpointing or smaller inputs" if strategy.name == "ddp" else
-             "shard more (zero3, offload), use more GPUs (smaller shards), bf16, gradient checkpointing or smaller inputs"),
+        fix=_advice(strategy),
         extra={"sharding": sharding_report(strategy, world_size, breakdowns.get(outcome.max_batch),
                                            configs.get(outcome.max_batch)), **prior_report(prior)},
     )
+
+
+def _advice(strategy: Strategy) -> str:
+    """What frees memory from here: more sharding where there is more to shard, then the usual."""
+    if strategy.name == "ddp":
+        more = "shard (fsdp2, zero3), "
+    elif strategy.zero_stage == 3 or strategy.is_fsdp:
+        more = ("offload (zero3 --offload optimizer or params), " if strategy.zero_stage == 3 and not strategy.offload
+                else "") + "use more GPUs (smaller shards), "
+    else:
+        more = "shard more (zero3, fsdp2), use more GPUs (smaller shards), "
+    return f"{more}bf16, gradient checkpointing or smaller inputs"

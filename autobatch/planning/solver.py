@@ -177,6 +177,12 @@ def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tup
     return tuple(lower[:_WORLD_SIZES_EACH_SIDE][::-1] + upper[:_WORLD_SIZES_EACH_SIDE]), False
 
 
+def _per_gpu(target: int, world: int) -> str:
+    """``target / world`` to four figures, never rounded up to a whole number it is not (0.99999… is not 1)."""
+    text = f"{target / world:.4g}"
+    return text if target % world == 0 or "." in text or "e" in text else f"{target // world}.{'9' * 4}…"
+
+
 def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: AllowedMicros) -> NoExactPlanError:
     world = gpus_per_node * nodes // model_parallel
     mp = f" ÷ {model_parallel} model-parallel" if model_parallel > 1 else ""
@@ -184,7 +190,7 @@ def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, a
     if target % world:
         cause = (
             f"global batch {target} is not divisible by the data-parallel {ranks}: "
-            f"{target} / {world} = {target / world:.4g} per GPU, and DeepSpeed would floor that to "
+            f"{target} / {world} = {_per_gpu(target, world)} per GPU, and DeepSpeed would floor that to "
             f"{target // world} and train {target // world * world} instead"
         )
     else:

@@ -100,8 +100,8 @@ class TuneResult:
         else:
             verdict = f"{self.speedup:.2f}× the throughput of the largest-micro plan"
         earlier = sum(m.earlier_run for m in self.measurements)
-        note = ([f"(best and baseline timed in this run; {earlier} timing(s) from earlier runs of the study are "
-                 "listed, not compared: another process, another load)"] if earlier else [])
+        note = ([f"(best and baseline timed in this run; the study's {earlier} timing(s) from earlier runs are in "
+                 "--json as earlier_run, not compared: another process, another load)"] if earlier else [])
         return "\n".join([
             f"best:     {line(self.best)}",
             f"baseline: {line(self.baseline)} (largest micro batch)",

@@ -239,10 +239,12 @@ def _implied_world(target: int, per_rank: int, world: int, topo: tuple[int, int,
     ranks = target // per_rank
     gpus = world * topo[2]  # every GPU of the job, as the arguments or the configs give them
     if ranks < world and world % ranks == 0:  # fewer data-parallel ranks than GPUs: model parallelism
-        return (f"the file holds together on {ranks} data-parallel ranks: if the {gpus} GPUs train with a model-"
+        return (f"the file holds together on {ranks} data-parallel rank{'s' if ranks != 1 else ''}: if the {gpus} GPUs "
+                f"train with a model-"
                 f"parallel degree of {gpus // ranks}, pass --model-parallel {gpus // ranks}; otherwise ")
     mp = topo[2]
-    return (f"the file holds together on {ranks} data-parallel ranks: if that is the job, pass the GPUs "
+    return (f"the file holds together on {ranks} data-parallel rank{'s' if ranks != 1 else ''}: if that is the job, "
+            f"pass the GPUs "
             f"(--gpus {ranks * mp}{f' with --model-parallel {mp}' if mp > 1 else ''}, or --gpus and --nodes); otherwise ")
 
 

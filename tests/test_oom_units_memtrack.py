@@ -12,7 +12,18 @@ from autobatch import AutobatchError, MemoryTracker, format_bytes, is_oom_error,
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
         (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
         (RuntimeError("CUDA error: out of memory"), True),
-        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), True),
+        # cuDNN's "not supported" is a configuration it cannot run, not a full device: accelerate retries
+        # smaller on it, which hides the real error; it is re-raised untouched here.
+        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."), False),
+        # Every accelerator torch and accelerate know, in the words their allocators use.
+        (RuntimeError("HIP out of memory. Tried to allocate 2.00 GiB"), True),
+        (RuntimeError("XPU out of memory. Tried to allocate 2.00 GiB"), True),
+        (RuntimeError("NPU out of memory. Tried to allocate 2.00 GiB (NPU 0; 60.00 GiB total capacity)"), True),
+        (RuntimeError("MLU out of memory. Tried to allocate 2.00 GiB"), True),
+        (RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.00 GB)"), True),
+        (RuntimeError("FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::2147483648 (2048)MB"), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
         # The host's RAM is not the device's memory (the simulated backend reports it apart).
         (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
                       "you tried to allocate 1 bytes. Error code 12 (Cannot allocate memory)"), False),

@@ -12,17 +12,22 @@ import traceback
 __all__ = ["is_oom_error", "oom_message"]
 
 # Messages of allocators and libraries that signal OOM as a RuntimeError (or a subclass such as
-# torch.AcceleratorError, which C10_CUDA_CHECK raises since torch 2.8) instead of OutOfMemoryError.
-# Host RAM is not among them: the CPU running out is not the device running out.
+# torch.AcceleratorError, which C10_CUDA_CHECK raises since torch 2.8) instead of OutOfMemoryError,
+# for every accelerator torch and accelerate know (accelerate's should_reduce_batch_size lists the
+# same devices). Two of accelerate's are left out on purpose: cuDNN's CUDNN_STATUS_NOT_SUPPORTED is
+# an unsupported configuration, not a full device (retrying smaller hides a real error), and host
+# RAM running out ("DefaultCPUAllocator: can't allocate memory") is not the device running out.
 _OOM_MESSAGES = (
     "CUDA out of memory.",                                 # older torch, CUDA caching allocator
     "CUDA error: out of memory",                           # OOM inside a CUDA kernel launch
     "HIP out of memory.",                                  # ROCm
-    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",            # cuDNN's way of saying "no workspace"
+    "XPU out of memory.",                                  # Intel GPUs
+    "NPU out of memory.",                                  # Ascend (torch_npu)
+    "MLU out of memory.",                                  # Cambricon (torch_mlu)
+    "MPS backend out of memory",                           # Apple
+    "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",   # Gaudi (HPU)
     "CUBLAS_STATUS_ALLOC_FAILED",                          # cuBLAS handle/workspace allocation
-    "CUDNN_STATUS_ALLOC_FAILED",
-    "MPS backend out of memory",
-    "XPU out of memory.",
+    "CUDNN_STATUS_ALLOC_FAILED",                           # cuDNN workspace allocation
 )
 
 

@@ -59,25 +59,21 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
             on_note(text)
 
     if request.mode == "solve":
-        strategies = request.strategies
         fixed = request.micro_batch
         plan = solve(request.target, request.gpus_here(), request.nodes, fixed or request.max_micro,
                      min_micro=fixed or request.min_micro or 1, multiple_of=request.multiple_of,
                      model_parallel=request.model_parallel, base_lr=request.base_lr, base_batch=request.base_batch)
-        return _written(Report(request, plan), strategy=None if strategies is None else strategies[0], into=written)
+        return _written(Report(request, plan), into=written)
     if request.mode == "estimate":
         report = _estimate(request, note)
     else:
         report = _probe(request, note, on_trial)
     if not report.main_rank:
         return report
-    finding = report.finding
-    return _written(report, strategy=None if finding is None else finding.strategy,
-                    probed_zero=None if finding is None else finding.probed_zero, into=written, notes=notes)
+    return _written(report, into=written, notes=notes)
 
 
-def _written(report: Report, *, strategy: Any = None, probed_zero: Any = None, into: dict[str, str] | None,
-             notes: list[str] | None = None) -> Report:
+def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | None = None) -> Report:
     """The report with the configs (and the plot) its request names written, and what merging changed."""
     from dataclasses import replace
 
@@ -85,8 +81,9 @@ def _written(report: Report, *, strategy: Any = None, probed_zero: Any = None, i
     written = {} if into is None else into
     changes: list[str] = []
     if plan is not None and len(report.rows) <= 1:
+        probed_zero = None if report.finding is None else report.finding.probed_zero
         write_plan_configs(plan, **request.outputs(), keep_auto=request.keep_auto, written=written, changes=changes,
-                           strategy=strategy, probed_zero=probed_zero, eval_batch=report.eval_batch,
+                           strategy=report.strategy, probed_zero=probed_zero, eval_batch=report.eval_batch,
                            **report.training())
     if request.plot is not None and report.finding is not None:
         from ..tuning.plot import plot_probe
@@ -109,7 +106,7 @@ def _estimate(request: Request, note: Note) -> Report:
                   else "the default; pick your card with --gpu, see `autobatch gpus`")
         note(f"no CUDA GPU here, so these are estimates for {spec.name} ({chosen}) from a fake-tensor trace; "
              "run find on the GPU machine for exact figures")
-    if str(request.dtype).lower() in ("bf16", "bfloat16") and "no bf16" in spec.notes:
+    if request.precision == "bf16" and "no bf16" in spec.notes:
         note(f"{spec.name} has no bf16 ({spec.notes}): the estimate is of bf16 as asked, but on this card train "
              "with fp16 or fp32 (--dtype fp16)")
     gpus = request.gpus_here()
@@ -123,8 +120,8 @@ def _estimate(request: Request, note: Note) -> Report:
         plan = table.plan(gpus_per_node=gpus, **request.planning())
         return Report(request, plan, lengths=table, gpu=spec)
     if isinstance(request.model, str):
-        seq_len = request.lengths[0] if request.lengths else None
-        workload = load_fake_model(request.model, **request.load_options(seq_len)).to_workload(**request.settings())
+        workload = load_fake_model(request.model, **request.load_options(request.one_length)).to_workload(
+            **request.settings())
     else:
         workload = workload_of(request)
     result = estimate(workload, spec, overheads=overheads, headroom=request.headroom, max_batch=request.max_micro,
@@ -150,7 +147,7 @@ def _probe(request: Request, note: Note, on_trial: Callable[[Any], None] | None)
         note(f"probing {gpu_count} GPUs, one worker each…")
         worker = {"max_batch": request.max_micro, "min_batch": request.min_micro, "headroom": request.headroom,
                   "timeout_s": request.timeout, "use_trace_prior": request.trace_prior}
-        agreed, ranks = spawn_local(probe_worker, (request.model, request.load_options(_one_length(request)),
+        agreed, ranks = spawn_local(probe_worker, (request.model, request.load_options(request.one_length),
                                                    request.settings(), worker), timeout_s=request.timeout)
         plan = plan_from_probe(agreed, gpus_per_node=request.gpus_per_node or gpu_count, **request.planning())
         return Report(request, plan, rows=(Finding(agreed, plan, ranks_report=ranks),))
@@ -174,10 +171,6 @@ def _probe(request: Request, note: Note, on_trial: Callable[[Any], None] | None)
                         min_micro=request.min_micro, headroom=request.headroom, on_trial=on_trial,
                         use_cache=request.cache, use_trace_prior=request.trace_prior, **request.planning())
     return Report(request, finding.plan, rows=(finding,), device=finding.probe.device)
-
-
-def _one_length(request: Request) -> int | None:
-    return request.lengths[0] if request.lengths else None
 
 
 def _launched(request: Request) -> Report:

@@ -66,9 +66,14 @@ class Report:
         request = self.request
         if request.model is None:
             return {"precision": None, "grad_checkpointing": False}
-        dtype = str(request.dtype).lower().replace("torch.", "")
-        precision = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(dtype)
-        return {"precision": precision, "grad_checkpointing": bool(request.grad_checkpointing)}
+        return {"precision": request.precision, "grad_checkpointing": bool(request.grad_checkpointing)}
+
+    @property
+    def strategy(self) -> Any:
+        """How training shards: as the one row was probed (with the FSDP block it wrapped), else as asked."""
+        if self.finding is not None:
+            return self.finding.strategy
+        return (self.request.strategies or (None,))[0]
 
     @property
     def eval_batch(self) -> int | None:

@@ -155,6 +155,17 @@ class Request:
         return tuple(dict.fromkeys(given))
 
     @property
+    def one_length(self) -> int | None:
+        """The sequence length of a request with one row (the first given), or ``None`` for the model's own."""
+        return self.lengths[0] if self.lengths else None
+
+    @property
+    def precision(self) -> str | None:
+        """The autocast the batch is probed with: ``"bf16"``, ``"fp16"``, or ``None`` for full fp32."""
+        dtype = str(self.dtype).lower().replace("torch.", "")
+        return {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(dtype)
+
+    @property
     def table(self) -> bool:
         """One row per length (several lengths, or the evaluation batch too)."""
         return bool(self.lengths and len(self.lengths) > 1) or self.evaluation

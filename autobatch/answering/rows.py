@@ -83,7 +83,7 @@ def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], No
 
     usable = spec.usable_bytes
     how: dict[str, str] = {}
-    load = request.load_options(request.lengths[0] if request.lengths else None)
+    load = request.load_options(request.one_length)
 
     def setup(chosen: Strategy) -> tuple[Any, Any]:
         if chosen.name != "ddp" and isinstance(request.model, str):
@@ -109,8 +109,8 @@ def workload_of(request: Request, load: dict[str, Any] | None = None) -> Any:
     if isinstance(request.model, Workload):
         return replace(request.model, **request.settings())
     if isinstance(request.model, str):
-        seq_len = request.lengths[0] if request.lengths else None
-        return load_model(request.model, **(load or request.load_options(seq_len))).to_workload(**request.settings())
+        return load_model(request.model, **(load or request.load_options(request.one_length))).to_workload(
+            **request.settings())
     return Workload(request.model, request.make_batch, loss_fn=request.loss_fn or default_loss, **request.settings())
 
 

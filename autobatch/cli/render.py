@@ -40,10 +40,8 @@ def print_report(report: Any, *, as_json: bool) -> None:
 
 def _launch(report: Any) -> dict[str, Any]:
     request = report.request
-    finding = report.finding
-    strategy = finding.strategy if finding is not None else (request.strategies or (None,))[0]
-    return dict(deepspeed=request.deepspeed, accelerate=request.accelerate, script=request.script, strategy=strategy,
-                **report.training())
+    return dict(deepspeed=request.deepspeed, accelerate=request.accelerate, script=request.script,
+                strategy=report.strategy, **report.training())
 
 
 def device_line(info: Any) -> str:

@@ -116,52 +116,14 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
         # FSDP1 reads its parameters' data pointers (to tell shared storage apart); on the fake tensors
         # of an estimate torch warns that this is "almost definitely a bug": not here, where nothing is read.
         warnings.filterwarnings("ignore", message=r"Accessing the data pointer of FakeTensor")
-        model = _copy_model(template, workload.grad_checkpointing)
-        wrapped: Wrapped | None = None
-        error = config = None
-        figures: dict[str, int] = {}
         peaks = PhasePeaks(backend, phase_by="reserved")  # fit is decided on the reserved peak
-        times: list[float] = []
-        resident_bytes = None
-
-        try:
-            with backend.track_deferred(()):
-                before = backend.allocated_bytes()
-                wrapped = wrap_model(model, strategy, workload, backend.device, batch=batch_size,
-                                     deepspeed_config=deepspeed_config)
-                config = wrapped.config
-                del model
-            params = list(wrapped.module.parameters())
-            figures["parameters"] = local_bytes(params)
-            with backend.track_deferred(params + list(wrapped.module.buffers())):
-                wrapped_bytes = backend.allocated_bytes() - before
-                figures["buffers"] = max(0, wrapped_bytes - figures["parameters"])
-                phase = "forward_backward"
-                for _ in range(workload.steps):
-                    backend.synchronize()
-                    start = time.perf_counter()
-                    phase = "forward_backward"
-                    ahead = backend.allocated_bytes()
-                    figures["optimizer_state"] = max(0, ahead - before - wrapped_bytes)
-                    _step(workload, wrapped, batch_size, backend.device)
-                    figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
-                    peaks.read(phase)
-                    phase = "optimizer"
-                    wrapped.step()
-                    peaks.read(phase)
-                    times.append(time.perf_counter() - start)
-                resident_bytes = backend.allocated_bytes()
-        except Exception as exc:
-            if not is_oom_error(exc):
-                raise
-            error = oom_message(exc)
-            peaks.read(phase if wrapped is not None else "forward_backward")
-        finally:
-            if wrapped is not None:
-                wrapped.close()
-            wrapped = None
-            gc.collect()
+        # Everything that refers to the wrapped copy lives in _train's frame alone: when it returns,
+        # nothing of the trial is referenced, and one collection frees it all before the next trial
+        # (a parameter list kept here held ZeRO-1/2's flat fp32 copy into the next trial).
+        done = _train(workload, template, strategy, backend, batch_size, peaks, deepspeed_config)
+        gc.collect()
         backend.release()
+    figures, times, resident_bytes, error, config, before = done
     if error is None and peaks.reserved > capacity:
         error = (f"out of memory at the step's end: peak {peaks.reserved} bytes over the capacity of "
                  f"{capacity} bytes")
@@ -177,3 +139,54 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
     if len(figures) == 4:
         breakdown = _breakdown(figures, before, peaks)
     return ShardedTrial(trial, breakdown, config or {})
+
+
+def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,
+           batch_size: int, peaks: PhasePeaks, deepspeed_config: dict[str, Any] | None,
+           ) -> tuple[dict[str, int], list[float], int | None, str | None, dict[str, Any], int]:
+    """Wrap a copy of ``template`` and train it; the measured figures, step times, what stayed, the error if out of memory."""
+    model = _copy_model(template, workload.grad_checkpointing)
+    wrapped: Wrapped | None = None
+    error = None
+    config: dict[str, Any] = {}
+    figures: dict[str, int] = {}
+    times: list[float] = []
+    resident_bytes = None
+    before = 0
+    phase = "forward_backward"
+    try:
+        with backend.track_deferred(()):
+            before = backend.allocated_bytes()
+            wrapped = wrap_model(model, strategy, workload, backend.device, batch=batch_size,
+                                 deepspeed_config=deepspeed_config)
+            config = wrapped.config
+            del model
+        params = list(wrapped.module.parameters())
+        figures["parameters"] = local_bytes(params)
+        with backend.track_deferred(params + list(wrapped.module.buffers())):
+            del params
+            wrapped_bytes = backend.allocated_bytes() - before
+            figures["buffers"] = max(0, wrapped_bytes - figures["parameters"])
+            for _ in range(workload.steps):
+                backend.synchronize()
+                start = time.perf_counter()
+                phase = "forward_backward"
+                ahead = backend.allocated_bytes()
+                figures["optimizer_state"] = max(0, ahead - before - wrapped_bytes)
+                _step(workload, wrapped, batch_size, backend.device)
+                figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
+                peaks.read(phase)
+                phase = "optimizer"
+                wrapped.step()
+                peaks.read(phase)
+                times.append(time.perf_counter() - start)
+            resident_bytes = backend.allocated_bytes()
+    except Exception as exc:
+        if not is_oom_error(exc):
+            raise
+        error = oom_message(exc)
+        peaks.read(phase if wrapped is not None else "forward_backward")
+    finally:
+        if wrapped is not None:
+            wrapped.close()
+    return figures, times, resident_bytes, error, config, before

@@ -60,8 +60,16 @@ class AllocationLog:
             self.events.append((index, -1))
 
     def shape(self) -> list[tuple[int, bool]]:
-        """The log without its sizes: which request is made or freed, in order."""
-        return [(index, nbytes < 0) for index, nbytes in self.events]
+        """The log without its sizes: which request is made or freed, in order, up to the last request.
+
+        Frees after the last request cannot move a peak; they are what the collector frees once
+        the step is over, in its own order, which need not be the same from one batch to the next.
+        """
+        events = self.events
+        end = len(events)
+        while end and events[end - 1][1] < 0:
+            end -= 1
+        return [(index, nbytes < 0) for index, nbytes in events[:end]]
 
     def sizes(self) -> list[int]:
         """Each request's bytes, by index."""

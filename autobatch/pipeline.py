@@ -250,11 +250,11 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
     Module level and built from plain arguments, because workers receive it pickled (a
     workload's lambdas do not pickle). Returns the agreed result and the per-rank report.
     """
-    from .distributed.launch import probe_distributed, rank_env
+    from .distributed.launch import probe_distributed
     from .models import load_model
 
     workload = load_model(model, **load).to_workload(**settings)
-    device = "cpu" if memory is not None else f"cuda:{rank_env().local_rank}"
+    device = "cpu" if memory is not None else "cuda"  # this rank's GPU (resolve_cuda_device)
     backend = make_backend(device, memory)
     options = dict(options)
     led = options.pop("use_trace_prior", True) and options.get("strategy") is None

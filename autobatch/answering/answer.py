@@ -179,8 +179,9 @@ def _launched(request: Request) -> Report:
     from ..distributed.lockstep import probe_distributed
 
     env = rank_env()
-    backend = make_backend(request.device or (f"cuda:{env.local_rank}" if request.memory is None else "cpu"),
-                           request.memory)
+    # "cuda" without an index is this rank's GPU: its local rank, or the one GPU it was left.
+    memory = request.memory_of(env.rank)  # simulated mixed GPUs: rank r takes the r-th budget
+    backend = make_backend(request.device or ("cuda" if memory is None else "cpu"), memory)
     strategies = request.strategies
     with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=request.timeout):
         workload = workload_of(request)
@@ -193,8 +194,8 @@ def _launched(request: Request) -> Report:
                                    headroom=request.headroom, timeout_s=request.timeout, prior=prior, **sharded)
     agreed = result.to_probe_result()
     planning = request.planning()
-    if request.nodes == 1 and env.world_size > env.local_world_size:
-        planning["nodes"] = env.world_size // env.local_world_size
+    if request.nodes == 1 and env.nodes > 1:
+        planning["nodes"] = env.nodes
     plan = plan_from_probe(agreed, gpus_per_node=request.gpus_per_node or env.local_world_size, **planning)
     finding = Finding(agreed, plan, ranks_report=str(result),
                       strategy=probed_strategy(agreed, None if strategies is None else strategies[0]))

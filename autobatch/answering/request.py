@@ -90,7 +90,7 @@ class Request:
     fsdp_unit: str | None = None
     # the device
     device: str | None = None
-    memory: int | str | None = None
+    memory: int | str | Sequence[int | str] | None = None   # one budget, or one per rank under a launcher
     gpu: str | None = None
     gpu_memory: int | str | None = None
     estimate: bool | None = None
@@ -169,6 +169,22 @@ class Request:
     def table(self) -> bool:
         """One row per length (several lengths, or the evaluation batch too)."""
         return bool(self.lengths and len(self.lengths) > 1) or self.evaluation
+
+    @property
+    def budgets(self) -> tuple[int | str, ...] | None:
+        """The simulated budgets: one for every rank, or one per rank ("60MiB,40MiB": rank r takes the r-th)."""
+        if self.memory is None:
+            return None
+        if isinstance(self.memory, str):
+            return tuple(part.strip() for part in self.memory.split(","))
+        if isinstance(self.memory, (list, tuple)):
+            return tuple(self.memory)
+        return (self.memory,)
+
+    def memory_of(self, rank: int) -> int | str | None:
+        """Rank ``rank``'s simulated budget, or ``None`` on a real GPU."""
+        budgets = self.budgets
+        return None if budgets is None else budgets[0] if len(budgets) == 1 else budgets[rank]
 
     @property
     def launched(self) -> bool:
@@ -268,8 +284,11 @@ class Request:
             problems.append(f"{option('timeout')} must be a positive number of seconds, but got {self.timeout!r}")
 
     def _check_device(self, problems: list[str]) -> None:
-        for name in ("memory", "gpu_memory", "workspace"):
-            value = getattr(self, name)
+        budgets = self.budgets or ()
+        if len(budgets) > 1:
+            self._check_budgets_per_rank(len(budgets), problems)
+        for name, value in [*(("memory", b) for b in budgets), ("gpu_memory", self.gpu_memory),
+                            ("workspace", self.workspace)]:
             if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
                 problems.append(f"{option(name)} needs a unit as a string ({value!r} would be {value} bytes); write "
                                 f"e.g. '{value.strip()}GiB', or pass a number of bytes as an int")
@@ -279,7 +298,8 @@ class Request:
                     parse_bytes(value)
                 except (AutobatchError, ValueError, TypeError):
                     problems.append(f"{option(name)} must be a positive size (2GiB, 512MiB), but got {value!r}")
-        problems.extend(size_problems(self.memory, self.gpu_memory))
+        for i, budget in enumerate(budgets or (None,)):
+            problems.extend(size_problems(budget, self.gpu_memory if i == 0 else None))
         if not isinstance(self.fragmentation, numbers.Real) or not math.isfinite(self.fragmentation) \
                 or self.fragmentation < 1:
             problems.append(f"{option('fragmentation')} is reserved ÷ allocated memory and must be a finite number "
@@ -307,6 +327,18 @@ class Request:
         if self.launched and self.device is not None and self.device.startswith("cuda:"):
             problems.append(f"under a launcher every rank probes its own GPU (LOCAL_RANK), but {option('device')} "
                             f"names {self.device} for all of them; drop {option('device')}")
+
+    def _check_budgets_per_rank(self, count: int, problems: list[str]) -> None:
+        if not self.launched:
+            problems.append(f"{option('memory')} {_spelt(self.memory)} gives one budget per rank, which needs a launcher "
+                            f"(torchrun, srun, …) to start the ranks; pass one budget, or launch {count} ranks")
+            return
+        from ..distributed.environment import rank_env
+
+        world = rank_env().world_size
+        if count != world:
+            problems.append(f"{option('memory')} {_spelt(self.memory)} gives {count} budgets, but the launcher started "
+                            f"{world} ranks; give one budget for all, or one per rank")
 
     def _check_rows(self, problems: list[str]) -> None:
         try:
@@ -387,3 +419,7 @@ class Request:
             return  # solve() itself says it, with the nearest plans
         check_request(self.target, self.gpus_here(), self.nodes, min_micro=self.min_micro or 1,
                       multiple_of=self.multiple_of, model_parallel=self.model_parallel)
+
+
+def _spelt(memory: Any) -> str:
+    return memory if isinstance(memory, str) else ",".join(str(m) for m in memory)

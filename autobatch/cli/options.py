@@ -113,7 +113,7 @@ DeviceName = Annotated[str | None, typer.Option(
     "--device", show_default="every CUDA GPU here", help="cuda, cuda:N, or cpu (with --memory: a simulated budget).",
 )]
 SimulatedMemory = Annotated[str | None, typer.Option(
-    "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB.",
+    "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB; under a launcher one per rank, e.g. 60MiB,40MiB.",
 )]
 GpuName = Annotated[str | None, typer.Option(
     "--gpu", show_default="a100-80gb", help="A GPU from `autobatch gpus` to estimate for.",
@@ -256,7 +256,8 @@ def request_from(params: dict[str, Any], **fixed: Any) -> Any:
             kwargs[_RENAMED.get(name, name)] = value
     for name in ("memory", "gpu_memory", "workspace"):
         if kwargs.get(name) is not None:
-            size_value(kwargs[name], FLAGS[name])
+            for part in kwargs[name].split(",") if name == "memory" else [kwargs[name]]:  # one per rank
+                size_value(part, FLAGS[name])
     if "headroom" in kwargs:
         kwargs["headroom"] = headroom_value(kwargs["headroom"])
     if isinstance(kwargs.get("seq_len"), str):

@@ -88,17 +88,20 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
         raise AutobatchError("torch.distributed is not available in this torch build; probe one device with autobatch.probe")
     if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
         raise AutobatchError(
-            f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set; start the job with torchrun "
-            "or accelerate launch, which set them"
+            f"{env.launcher or 'the launcher'} started {env.world_size} ranks but MASTER_ADDR/MASTER_PORT are not set; "
+            "start the job with torchrun, accelerate launch or the deepspeed launcher, which set them, or export "
+            "both before srun or mpirun"
         )
+    addr, port = env.master_addr, env.master_port
     if env.world_size == 1:  # a lone process still needs an address to rendezvous with itself
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        addr, port = addr or "127.0.0.1", port or _free_port()
     backend = backend or _default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+        # This rank's GPU: its local rank, or the one GPU the launcher left it (CUDA_VISIBLE_DEVICES).
+        torch.cuda.set_device(env.device_index(torch.cuda.device_count()))
+    # The rendezvous named outright: srun and mpirun set no RANK/WORLD_SIZE for env:// to read.
     dist.init_process_group(
-        backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+        backend, init_method=f"tcp://{_host(addr)}:{port}", rank=env.rank, world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s + _WATCHDOG_MARGIN_S),
     )
     failed = True
@@ -124,6 +127,11 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
             leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
             leaving.start()
             leaving.join(_DESTROY_WAIT_S)
+
+
+def _host(addr: str) -> str:
+    """An IPv6 address in brackets, as a URL wants it."""
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
 
 
 def _free_port() -> int:

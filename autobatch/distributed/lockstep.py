@@ -11,7 +11,6 @@ same way, so every rank stops together, at once, instead of hanging.
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -41,6 +40,7 @@ from ..probing.workload import Workload
 from ..strategy import Strategy, parse_strategy
 from ..units import format_bytes
 from .ddp import ddp_for_trials
+from .environment import is_launched, rank_env
 from .launch import DEFAULT_TIMEOUT_S
 from .agreement import Comm, agree_on_errors, agreed_prior, agreed_trial, collective, comm_device, share_trial, warm_up
 from .result import DistributedProbeResult, RankReport
@@ -129,7 +129,7 @@ def probe_distributed(
         if value is not None and (not isinstance(value, int) or value < 1):
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
+    local_rank = (rank_env().local_rank if is_launched() else rank) if local_rank is None else local_rank
     use_ddp = wrap == "ddp" and world > 1 and chosen is None
 
     model = error = None

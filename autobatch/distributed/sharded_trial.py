@@ -19,7 +19,8 @@ import copy
 import gc
 import time
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -70,6 +71,24 @@ class ShardedTrial:
     config: dict[str, Any]
 
 
+@contextmanager
+def _current_gpu(device: torch.device) -> Iterator[None]:
+    """``device`` as the current GPU for the trial, then the caller's again.
+
+    FSDP2 builds its mesh on the current GPU, DeepSpeed takes it for the engine, and object
+    collectives run on it: each trial must run on the GPU it measures, not on GPU 0.
+    """
+    if device.type != "cuda" or device.index is None:
+        yield
+        return
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_device(previous)
+
+
 def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn.Module:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -109,7 +128,7 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
     capacity = backend.capacity()
     backend.release()
     devices = [backend.device.index or 0] if backend.device.type == "cuda" else []
-    with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=devices), _current_gpu(backend.device):
         # FSDP and DeepSpeed call collectives torch has renamed: its deprecation notes, once per
         # trial, say nothing about the user's setup (the filters are undone when the trial ends).
         warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)

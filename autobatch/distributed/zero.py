@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, redirect_stdout
@@ -208,6 +209,18 @@ class _Globals:
         self.depth = len(self.stack) if isinstance(self.stack, list) else 0
         self.cuda_device: int | None = None  # the caller's current GPU, set back when the trial ends
         self.checks: list[tuple[Any, str, Any]] = []
+        self.groups_before = set(_process_groups())  # the groups DeepSpeed makes are destroyed with the trial
+        self.local_rank = os.environ.get("LOCAL_RANK")
+
+    def set_local_rank(self, device: torch.device) -> None:
+        """DeepSpeed takes ``LOCAL_RANK`` for its device (``set_device(LOCAL_RANK)``): the GPU probed,
+        whatever the launcher set (srun and mpirun set none); put back as it was by :meth:`destroy`."""
+        if device.type == "cuda":
+            os.environ["LOCAL_RANK"] = str(device.index if device.index is not None else torch.cuda.current_device())
+        elif self.local_rank is None:
+            from .environment import rank_env
+
+            os.environ["LOCAL_RANK"] = str(rank_env().local_rank)
 
     def skip_rank_checks(self) -> None:
         """On the fake group, DeepSpeed's "same on every rank" checks compare rank 0 with itself:
@@ -223,6 +236,17 @@ class _Globals:
                     setattr(module, check, _skipped)
 
     def destroy(self) -> None:
+        if self.local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = self.local_rank
+        import torch.distributed as dist
+
+        # Each engine makes its own world group (on NCCL a communicator, whose buffers sit outside
+        # torch's statistics): left alive, every later trial would have one more.
+        for group in _process_groups():
+            if group not in self.groups_before and group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
         for module, check, original in self.checks:
             setattr(module, check, original)
         self.checks.clear()
@@ -243,6 +267,13 @@ class _Globals:
                 candidate.cache_clear()
 
 
+def _process_groups() -> list[Any]:
+    """Every process group alive in this process (the default one included)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
 def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workload, device: torch.device, *,
                    batch: int, user_config: Mapping[str, Any] | None = None) -> Wrapped:
     """``deepspeed.initialize`` on ``model`` with :func:`zero_config` and the workload's torch optimizer."""
@@ -253,12 +284,12 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
     deepspeed = _deepspeed()
     import deepspeed.comm.torch  # noqa: F401 - loaded so its op builder can be skipped
 
-    saved_globals = _Globals()
-    if dist.get_backend() == "fake":
-        saved_globals.skip_rank_checks()
-
     config = zero_config(model, strategy, batch=batch, world_size=dist.get_world_size(), dtype=workload.dtype,
                          user_config=user_config)
+    saved_globals = _Globals()
+    saved_globals.set_local_rank(device)
+    if dist.get_backend() == "fake":
+        saved_globals.skip_rank_checks()
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
     logger.setLevel(logging.ERROR)  # it logs its whole config at INFO on every initialize
@@ -269,6 +300,9 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
         optimizer = make_optimizer(workload.optimizer, [p for p in model.parameters() if p.requires_grad])
         with _no_shm_comm(), _logs_on_stderr(), _stays_on(model, device):
             engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    except BaseException:
+        saved_globals.destroy()  # out of memory while the engine was built: nothing of it stays
+        raise
     finally:
         logger.setLevel(level)
 

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from autobatch.probing.backends.caching_allocator import CachingAllocator
 
-__all__ = ["EmulatedGpu", "EmulatedCuda", "emulated_cuda", "emulated"]
+__all__ = ["EmulatedGpu", "EmulatedCuda", "emulated_cuda", "emulated", "visible_gpus"]
 
 GIB = 1 << 30
 _CUDA_FUNCTIONS = (
@@ -346,16 +346,40 @@ class _CpuAutocast(torch.autocast):
         super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
 
+def visible_gpus(gpus: list[EmulatedGpu], setting: str | None) -> list[EmulatedGpu]:
+    """The GPUs a process sees under ``CUDA_VISIBLE_DEVICES=setting``, in its order, as CUDA reads it.
+
+    Unset: all of them. Otherwise the ids in the order given, up to the first one that is not a
+    GPU of the machine (not a number, out of range, or listed twice): CUDA ignores it and every id
+    after it, so ``"0,7,1"`` on two GPUs is GPU 0 alone and ``""`` is none.
+    """
+    if setting is None:
+        return list(gpus)
+    seen: list[EmulatedGpu] = []
+    for token in setting.split(","):
+        token = token.strip()
+        if not token.isdigit() or int(token) >= len(gpus) or any(g is gpus[int(token)] for g in seen):
+            break
+        seen.append(gpus[int(token)])
+    return seen
+
+
 @contextlib.contextmanager
 def emulated(gpus: list[EmulatedGpu] | int = 1, *, nvml_pid: int | None = None,
              patch: Any = None) -> Iterator[EmulatedCuda]:
-    """Emulate ``gpus`` for the block (a count of default GPUs, or the GPUs themselves).
+    """Emulate ``gpus`` for the block (a count of default GPUs, or the GPUs themselves): the
+    machine's GPUs, of which this process sees those ``CUDA_VISIBLE_DEVICES`` lets it see,
+    renumbered from 0 as CUDA renumbers them (an id past the last raises as torch raises).
+
+    A process group asked for on ``"nccl"`` runs on gloo (NCCL needs real GPUs): the code that
+    chooses NCCL, and the ``set_device`` before it, run unchanged.
 
     ``patch`` is a ``pytest.MonkeyPatch`` to install the fakes with; without one a private one is
     used and undone on exit (worker processes have no fixture).
     """
     if isinstance(gpus, int):
         gpus = [EmulatedGpu(i) for i in range(gpus)]
+    gpus = visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     emu = EmulatedCuda(gpus, nvml_pid=nvml_pid)
     own = patch is None
     patch = pytest.MonkeyPatch() if own else patch
@@ -367,6 +391,7 @@ def emulated(gpus: list[EmulatedGpu] | int = 1, *, nvml_pid: int | None = None,
         patch.setitem(sys.modules, "pynvml", _fake_nvml(emu))
         _charge_communicators(emu, patch)
         _book_ddp_construction(emu, patch)
+        _nccl_on_gloo(patch)
         with _CudaOnCpu(emu), _Booking(emu):
             yield emu
     finally:
@@ -386,6 +411,21 @@ def _charge_communicators(emu: EmulatedCuda, patch: Any) -> None:
             return _original(*args, **kwargs)
 
         patch.setattr(dist, name, charged)
+
+
+def _nccl_on_gloo(patch: Any) -> None:
+    """``init_process_group("nccl")`` and ``new_group(backend="nccl")`` make gloo groups."""
+    for name in ("init_process_group", "new_group"):
+        original = getattr(dist, name)
+
+        def on_gloo(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if args and args[0] == "nccl":
+                args = ("gloo", *args[1:])
+            if kwargs.get("backend") == "nccl":
+                kwargs["backend"] = "gloo"
+            return _original(*args, **kwargs)
+
+        patch.setattr(dist, name, on_gloo)
 
 
 def _book_ddp_construction(emu: EmulatedCuda, patch: Any) -> None:

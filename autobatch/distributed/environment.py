@@ -63,10 +63,10 @@ class RankEnv:
         if visible == 1:
             return 0
         if self.local_rank >= visible:
-            raise ConfigError(
+            raise ConfigError([
                 f"this rank's local rank is {self.local_rank} but only {visible} GPUs are visible to it; start at "
                 f"most {visible} processes per node, or leave each process one GPU (CUDA_VISIBLE_DEVICES)"
-            )
+            ])
         return self.local_rank
 
 

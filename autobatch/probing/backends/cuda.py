@@ -119,7 +119,7 @@ def resolve_cuda_device(device: int | str | torch.device | None = None) -> torch
         return resolved
     from ...distributed.environment import is_launched, rank_env
 
-    if not is_launched():
+    if not is_launched() and "LOCAL_RANK" not in os.environ:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cuda", rank_env().device_index(torch.cuda.device_count()))
 

@@ -113,3 +113,43 @@ def launched_probe(strategy: str = "fsdp2") -> dict[str, Any]:
 def launched_job() -> list[dict[str, Any]]:
     mine = launched_probe()
     return gathered(mine)
+
+
+def wide_blocks() -> torch.nn.Module:
+    """Six 512-wide blocks: 1.6M parameters, so a caching-allocator budget of tens of MiB is reached."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(6)])
+
+
+def wide_batch(b: int) -> torch.Tensor:
+    return torch.randn(b, 64, 512)
+
+
+def out_of_memory_on_one_rank(strategies: tuple[str, ...], budgets: tuple[str, ...], timeout_s: float) -> list[Any]:
+    """Each strategy probed in lockstep, rank r on the r-th budget, with the caching-allocator model: it
+    raises out of memory mid-step, where it happens, as a GPU does (the exact model defers to the step's end)."""
+    from autobatch.distributed.lockstep import probe_distributed
+
+    out = {}
+    for name in strategies:
+        result = probe_distributed(autobatch.Workload(wide_blocks, wide_batch),
+                                   SimulatedBackend(budgets[dist.get_rank()], allocator="caching"),
+                                   strategy=name, timeout_s=timeout_s)
+        mine = result.ranks[dist.get_rank()].trials
+        out[name] = {"max_batch": result.max_batch, "limiting": result.limiting_ranks,
+                     "agreed": [(t.batch, t.fits) for t in result.trials],
+                     "mine": [(t.batch, t.fits, t.error) for t in mine]}
+    return gathered(out)
+
+
+def ddp_buckets_do_not_fit_on_rank_1() -> list[Any]:
+    """Rank 1 holds the weights (16 MiB) but not DDP's gradient buckets beside them; rank 0 holds both."""
+    from autobatch.distributed.lockstep import probe_distributed
+
+    budget = ("200MiB", "24MiB")[dist.get_rank()]
+    try:
+        probe_distributed(autobatch.Workload(lambda: torch.nn.Linear(1024, 4096), lambda b: torch.randn(b, 1024)),
+                          SimulatedBackend(budget), wrap="ddp", timeout_s=8)
+    except Exception as exc:  # noqa: BLE001 - what each rank was told is the answer
+        return gathered((type(exc).__name__, str(exc)))
+    return gathered(None)

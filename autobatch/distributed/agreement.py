@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..errors import AutobatchError, NoBatchFitsError
 from ..probing.backends import MemoryBackend
 from ..probing.trial import Trial
+from .fence import STOPPED_BY_PEER, is_stopped_by_peer
 from .result import RankFailedError
 
 __all__ = ["Comm", "comm_device", "collective", "agree_on_errors", "share_trial", "agreed_trial", "warm_up",
@@ -114,7 +115,9 @@ def share_trial(comm: Comm, trial: Trial | None) -> list[Trial | None]:
     if trial is None:
         row = [-1.0] * len(_FIELDS)
     else:
-        row = [float(trial.fits), trial.peak_bytes, trial.reserved_bytes, trial.forward_backward_bytes,
+        # 1 fits, 0 out of memory here, 2 stopped by another rank's out-of-memory error
+        fits = 1.0 if trial.fits else 2.0 if is_stopped_by_peer(trial.error) else 0.0
+        row = [fits, trial.peak_bytes, trial.reserved_bytes, trial.forward_backward_bytes,
                trial.optimizer_bytes, -1.0 if trial.resident_bytes is None else trial.resident_bytes,
                -1.0 if trial.seconds_per_step is None else trial.seconds_per_step, trial.alloc_retries]
     mine = torch.tensor(row, dtype=torch.float64, device=comm.device)
@@ -128,10 +131,10 @@ def _row_to_trial(batch: int, row: list[float]) -> Trial | None:
         return None
     fits, peak, reserved, fb, opt, resident, seconds, retries = row
     return Trial(
-        batch=batch, fits=bool(fits), peak_bytes=int(peak), reserved_bytes=int(reserved),
+        batch=batch, fits=fits == 1, peak_bytes=int(peak), reserved_bytes=int(reserved),
         forward_backward_bytes=int(fb), optimizer_bytes=int(opt),
         resident_bytes=None if resident < 0 else int(resident), seconds_per_step=None if seconds < 0 else seconds,
-        error=None if fits else "out of memory", alloc_retries=int(retries),
+        error=None if fits == 1 else STOPPED_BY_PEER if fits == 2 else "out of memory", alloc_retries=int(retries),
     )
 
 

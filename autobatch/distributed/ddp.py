@@ -6,6 +6,7 @@ import gc
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -22,7 +23,7 @@ def _quiet_buffer_kwargs() -> dict[str, bool]:
 
 
 @contextmanager
-def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend) -> Iterator[torch.nn.Module]:
+def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend, *, group: Any = None) -> Iterator[torch.nn.Module]:
     """Yield ``model`` wrapped in ``DistributedDataParallel``, ready for :func:`~autobatch.probing.trial.run_trial`.
 
     DDP allocates a gradient bucket per group of parameters (as large as the gradients
@@ -40,6 +41,7 @@ def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend) -> Iterator[t
     Args:
         model: the (borrowed) model, already on ``backend.device``.
         backend: the rank's memory backend.
+        group: the process group DDP communicates on (default: the whole job).
 
     Example:
         >>> # inside an initialized process group, with ``lent`` from borrowed_model(...)
@@ -51,7 +53,7 @@ def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend) -> Iterator[t
     device_ids = [where.index] if where.type == "cuda" else None
     resident = [p for p in model.parameters()] + [b for b in model.buffers()]
     with backend.track(resident):
-        wrapped = DistributedDataParallel(model, device_ids=device_ids, **_quiet_buffer_kwargs())
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=group, **_quiet_buffer_kwargs())
     try:
         with wrapped.no_sync():
             yield wrapped

@@ -11,6 +11,7 @@ same way, so every rank stops together, at once, instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import socket
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -24,6 +25,7 @@ from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for
 from ..probing.backends import DeviceInfo, MemoryBackend
 from ..probing.heap import frozen_heap
+from ..probing.oom import is_oom_error
 from ..probing.preserve import borrowed_model
 from ..probing.probe import (
     DEFAULT_HEADROOM,
@@ -41,6 +43,7 @@ from ..strategy import Strategy, parse_strategy
 from ..units import format_bytes
 from .ddp import ddp_for_trials
 from .environment import is_launched, rank_env
+from .fence import TrialFence, is_stopped_by_peer
 from .launch import DEFAULT_TIMEOUT_S
 from .agreement import Comm, agree_on_errors, agreed_prior, agreed_trial, collective, comm_device, share_trial, warm_up
 from .result import DistributedProbeResult, RankReport
@@ -145,6 +148,7 @@ def probe_distributed(
         error = exc
     comm = Comm(comm_device(backend), DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     agree_on_errors(comm, error, "setting up")  # past this line every rank has a backend and a model
+    TrialFence.new_probe()  # every rank counts this probe's trials from here, in lockstep
     if chosen is not None:
         chosen = with_unit(chosen, model)  # the block FSDP wraps, named in the report and the configs
 
@@ -172,8 +176,12 @@ def probe_distributed(
             try:
                 if chosen is None:
                     mine = run_trial(workload, net, backend, batch)
-                else:  # a fresh wrapped copy of the (CPU) model per trial, on this process group
-                    done = run_sharded_trial(workload, model, chosen, backend, batch, deepspeed_config=deepspeed_config)
+                else:  # a fresh wrapped copy of the (CPU) model per trial, on its own process group
+                    # Half the agreement's wait: a rank held in a collective the fence could not break
+                    # (see fence.py) gives up in time to meet the others in the agreement.
+                    with TrialFence(timeout_s=comm.timeout_s / 2) as fence:
+                        done = run_sharded_trial(workload, model, chosen, backend, batch,
+                                                 deepspeed_config=deepspeed_config, fence=fence)
                     mine, breakdowns[batch], configs[batch] = done.trial, done.breakdown, done.config
             except Exception as exc:  # run_trial turned OOM into a trial already
                 failure = exc
@@ -201,10 +209,16 @@ def probe_distributed(
                     error = weights_error(exc, backend, "the model's weights")
                 agree_on_errors(comm, error, "moving the model to its device")
             if use_ddp:
-                try:
-                    net = stack.enter_context(ddp_for_trials(net, backend))
-                except Exception as exc:  # out of memory for the buckets alone, or one of DDP's checks
-                    error = weights_error(exc, backend, "the model's weights and DDP's gradient buckets")
+                # DDP's constructor broadcasts the weights: a rank out of memory there must not leave the
+                # others in the broadcast, so DDP runs on a fenced group (see fence.py).
+                fence = stack.enter_context(TrialFence(timeout_s=comm.timeout_s / 2))
+                net, error = _wrap_ddp(stack, net, backend, fence)
+                if error is not None:
+                    net = None
+                    gc.collect()
+                    fence.take_down()  # the ranks still in DDP's broadcast are freed
+                    if is_stopped_by_peer(str(error)):
+                        error = None  # the rank that ran out of memory reports it
                 agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
             outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
                                  prior=agreed_prior(comm, prior))
@@ -220,7 +234,8 @@ def probe_distributed(
         _rank_report(r, lr, host, DeviceInfo(**info), local_trials[r]) for r, (lr, host, info) in enumerate(everyone)
     )
     if outcome.max_batch == 0:
-        failed = ", ".join(str(r.rank) for r in reports if not r.trials[0].fits)
+        failed = ", ".join(str(r.rank) for r in reports
+                       if not r.trials[0].fits and not is_stopped_by_peer(r.trials[0].error))
         raise NoBatchFitsError(
             f"even a batch of {min_batch} runs out of memory on rank(s) {failed} "
             f"(smallest capacity {format_bytes(capacity)}, reached {format_bytes(outcome.trials[0].reserved_bytes)}); "
@@ -228,7 +243,8 @@ def probe_distributed(
         )
     failed_at = min((t.batch for t in outcome.trials if not t.fits), default=None)
     limiting = () if outcome.limited_by == "max_batch" or failed_at is None else tuple(
-        r.rank for r in reports if any(t.batch == failed_at and not t.fits for t in r.trials)
+        r.rank for r in reports
+        if any(t.batch == failed_at and not t.fits and not is_stopped_by_peer(t.error) for t in r.trials)
     )
     summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
     return DistributedProbeResult(
@@ -251,3 +267,18 @@ def probe_distributed(
         extra={**prior_report(prior), **({} if chosen is None else {"sharding": sharding_report(
             chosen, world, breakdowns.get(outcome.max_batch), configs.get(outcome.max_batch), simulated=False)})},
     )
+
+
+def _wrap_ddp(stack: ExitStack, model: torch.nn.Module, backend: MemoryBackend,
+              fence: TrialFence) -> tuple[torch.nn.Module | None, Exception | None]:
+    """DDP around ``model`` on the fence's group, entered on ``stack``; or this rank's error."""
+    try:
+        return stack.enter_context(ddp_for_trials(model, backend, group=fence.group)), None
+    except Exception as exc:  # out of memory for the buckets alone, or one of DDP's checks
+        if is_oom_error(exc):
+            fence.out_of_memory()
+        else:
+            stopped = fence.peer_failure()
+            if stopped is not None:
+                return None, AutobatchError(stopped)
+        return None, weights_error(exc, backend, "the model's weights and DDP's gradient buckets")

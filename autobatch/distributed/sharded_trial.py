@@ -32,6 +32,7 @@ from ..probing.preserve import enable_checkpointing
 from ..probing.trial import PhasePeaks, Trial, batch_on
 from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
+from .fence import TrialFence
 from .sharding import Wrapped, local_bytes, wrap_model
 
 __all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial"]
@@ -118,12 +119,17 @@ def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.d
 
 
 def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,
-                      batch_size: int, *, deepspeed_config: dict[str, Any] | None = None) -> ShardedTrial:
+                      batch_size: int, *, deepspeed_config: dict[str, Any] | None = None,
+                      fence: TrialFence | None = None) -> ShardedTrial:
     """Train a wrapped copy of ``template`` for ``workload.steps`` steps at ``batch_size``; fit if the peak fits.
 
     The copy is made on the CPU and wrapped onto ``backend.device`` inside the backend's tracking,
     so only what this rank holds after wrapping counts. Out-of-memory errors the backend cannot
     defer (a real GPU) make a failed trial; any other exception propagates untouched.
+
+    Under a launcher the trial runs on ``fence``'s group (:class:`~autobatch.distributed.fence.TrialFence`):
+    a rank out of memory takes it down, and a rank whose collective then breaks records the trial
+    as failed because of that rank, instead of waiting for it.
     """
     capacity = backend.capacity()
     backend.release()
@@ -139,8 +145,10 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
         # Everything that refers to the wrapped copy lives in _train's frame alone: when it returns,
         # nothing of the trial is referenced, and one collection frees it all before the next trial
         # (a parameter list kept here held ZeRO-1/2's flat fp32 copy into the next trial).
-        done = _train(workload, template, strategy, backend, batch_size, peaks, deepspeed_config)
+        done = _train(workload, template, strategy, backend, batch_size, peaks, deepspeed_config, fence)
         gc.collect()
+        if fence is not None and done[3] is not None:
+            fence.take_down()  # nothing refers to the trial's groups now: the ranks waiting on this one are freed
         backend.release()
     figures, times, resident_bytes, error, config, before = done
     if error is None and peaks.reserved > capacity:
@@ -161,7 +169,7 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
 
 
 def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,
-           batch_size: int, peaks: PhasePeaks, deepspeed_config: dict[str, Any] | None,
+           batch_size: int, peaks: PhasePeaks, deepspeed_config: dict[str, Any] | None, fence: TrialFence | None,
            ) -> tuple[dict[str, int], list[float], int | None, str | None, dict[str, Any], int]:
     """Wrap a copy of ``template`` and train it; the measured figures, step times, what stayed, the error if out of memory."""
     model = _copy_model(template, workload.grad_checkpointing)
@@ -177,7 +185,7 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
         with backend.track_deferred(()):
             before = backend.allocated_bytes()
             wrapped = wrap_model(model, strategy, workload, backend.device, batch=batch_size,
-                                 deepspeed_config=deepspeed_config)
+                                 deepspeed_config=deepspeed_config, group=None if fence is None else fence.group)
             config = wrapped.config
             del model
         params = list(wrapped.module.parameters())
@@ -201,9 +209,14 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
                 times.append(time.perf_counter() - start)
             resident_bytes = backend.allocated_bytes()
     except Exception as exc:
-        if not is_oom_error(exc):
-            raise
-        error = oom_message(exc)
+        if is_oom_error(exc):
+            error = oom_message(exc)
+            if fence is not None:
+                fence.out_of_memory()  # before anything else: the other ranks may be waiting on this one
+        else:
+            error = None if fence is None else fence.peer_failure()
+            if error is None:
+                raise
         peaks.read(phase if wrapped is not None else "forward_backward")
     finally:
         if wrapped is not None:

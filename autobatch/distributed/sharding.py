@@ -169,7 +169,7 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, device: torch.device, *,
-               batch: int = 1, deepspeed_config: dict[str, Any] | None = None) -> Wrapped:
+               batch: int = 1, deepspeed_config: dict[str, Any] | None = None, group: Any = None) -> Wrapped:
     """Wrap ``model`` (a private copy, modified in place) for ``strategy`` on ``device``.
 
     Args:
@@ -179,18 +179,19 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
         device: this rank's device.
         batch: the micro batch (DeepSpeed's config carries it).
         deepspeed_config: the user's DeepSpeed config, whose bucket sizes are used where set.
+        group: the process group to shard over (default: the whole job); a group of the whole job.
     """
     world = _world()
     if strategy.is_deepspeed:
         from .zero import wrap_deepspeed
 
-        return wrap_deepspeed(model, strategy, workload, device, batch=batch, user_config=deepspeed_config)
+        return wrap_deepspeed(model, strategy, workload, device, batch=batch, user_config=deepspeed_config, group=group)
     if strategy.name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         _to(model, device)
         device_ids = [device.index] if device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids) if world > 1 else model
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=group) if world > 1 else model
         if world > 1 and dist.get_backend() == "fake":
             # The fake group's all-reduce completes with no tensor, which DDP's reducer refuses; reduce
             # in place (the default hook's memory: the bucket itself) by handing the bucket back.
@@ -205,7 +206,12 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():  # the mesh is a real tensor even when the trial runs on fake ones
-            mesh = init_device_mesh(device.type, (world,))
+            if group is None:
+                mesh = init_device_mesh(device.type, (world,))
+            else:
+                from torch.distributed.device_mesh import DeviceMesh
+
+                mesh = DeviceMesh.from_group(group, device.type)
         _to(model, device)
         for unit in units:
             fully_shard(unit, mesh=mesh)
@@ -217,6 +223,7 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
 
         classes = {type(u) for u in units}
         policy = ModuleWrapPolicy(classes) if classes else None
-        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True)
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True,
+                                           process_group=group)
     optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
     return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), units=len(units), _keep=[wrapped])

@@ -203,6 +203,7 @@ class _Globals:
         from deepspeed.utils import groups
 
         self.groups = groups
+        self.mpu = getattr(groups, "mpu", None)  # the engine sets it from its mpu argument
         self.saved = {k: copy.copy(v) for k, v in vars(groups).items()
                       if k.startswith("_") and k[1:2].isupper() and (v is None or isinstance(v, dict))}
         self.stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
@@ -254,6 +255,7 @@ class _Globals:
             torch.cuda.set_device(self.cuda_device)
         for key, value in self.saved.items():
             setattr(self.groups, key, copy.copy(value))
+        self.groups.mpu = self.mpu
         if isinstance(self.stack, list):
             del self.stack[self.depth:]
         from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
@@ -267,6 +269,37 @@ class _Globals:
                 candidate.cache_clear()
 
 
+class _DataParallelOnly:
+    """DeepSpeed's ``mpu`` for data parallelism over one process group, no model parallelism.
+
+    Without an ``mpu``, ZeRO-3 partitions parameters over the default group; a trial under a
+    launcher must run all its collectives on its own group (:mod:`autobatch.distributed.fence`).
+    """
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+
+    def get_data_parallel_group(self) -> Any:
+        return self.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.world
+
+    def get_data_parallel_rank(self) -> int:
+        return self.rank
+
+    def get_model_parallel_group(self) -> None:
+        return None
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
 def _process_groups() -> list[Any]:
     """Every process group alive in this process (the default one included)."""
     from torch.distributed import distributed_c10d
@@ -275,7 +308,7 @@ def _process_groups() -> list[Any]:
 
 
 def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workload, device: torch.device, *,
-                   batch: int, user_config: Mapping[str, Any] | None = None) -> Wrapped:
+                   batch: int, user_config: Mapping[str, Any] | None = None, group: Any = None) -> Wrapped:
     """``deepspeed.initialize`` on ``model`` with :func:`zero_config` and the workload's torch optimizer."""
     import torch.distributed as dist
 
@@ -290,6 +323,7 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
     saved_globals.set_local_rank(device)
     if dist.get_backend() == "fake":
         saved_globals.skip_rank_checks()
+    mpu = None if group is None else _DataParallelOnly(group)
     logger = logging.getLogger("DeepSpeed")
     level = logger.level
     logger.setLevel(logging.ERROR)  # it logs its whole config at INFO on every initialize
@@ -299,7 +333,7 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
             torch.cuda.set_device(device)
         optimizer = make_optimizer(workload.optimizer, [p for p in model.parameters() if p.requires_grad])
         with _no_shm_comm(), _logs_on_stderr(), _stays_on(model, device):
-            engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+            engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     except BaseException:
         saved_globals.destroy()  # out of memory while the engine was built: nothing of it stays
         raise

@@ -153,3 +153,81 @@ def ddp_buckets_do_not_fit_on_rank_1() -> list[Any]:
     except Exception as exc:  # noqa: BLE001 - what each rank was told is the answer
         return gathered((type(exc).__name__, str(exc)))
     return gathered(None)
+
+
+LONG_TOKENS = 256  # activations of 64 KiB per sample and block: far above what collectives in flight hold
+
+
+def long_batch(b: int) -> torch.Tensor:
+    return torch.randn(b, LONG_TOKENS, WIDTH)
+
+
+def _wrap_as_users_do(model: torch.nn.Module, strategy: str, batch: int, zero: dict[str, Any] | None) -> Any:
+    """The model wrapped with the libraries' own calls (not autobatch's): (module, backward, step)."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = DistributedDataParallel(model)
+    elif strategy == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        module = fully_shard(model, mesh=mesh)
+    elif strategy == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        module = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                                          device_id=torch.device("cpu"))
+    else:
+        import deepspeed
+        import deepspeed.comm.torch as ds_torch
+
+        ds_torch.build_shm_op = lambda: None  # gloo carries the collectives; no op to compile
+        config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+                  "train_batch_size": batch * dist.get_world_size(), "zero_optimization": zero,
+                  "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+                  "steps_per_print": 1 << 30}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                               config=config)
+        return engine, engine.backward, engine.step
+    optimizer = torch.optim.AdamW(module.parameters())
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return module, lambda loss: loss.backward(), step
+
+
+def real_rank_peaks(runs: list[tuple[str, int, dict[str, Any] | None]]) -> list[Any]:
+    """Each (strategy, batch, ZeRO section) trained for real on this rank, two AdamW steps; the peak
+    of what the device holds, counted by tests/independent_tracker.py. Every rank's figures, gathered."""
+    import gc
+    import logging
+
+    from tests.independent_tracker import StorageCounter
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    peaks = []
+    for strategy, batch, zero in runs:
+        torch.manual_seed(dist.get_rank())
+        model = blocks()
+        counter = StorageCounter()
+        with counter:
+            module, backward, step = _wrap_as_users_do(model, strategy, batch, zero)
+            counter.hold([*module.parameters(), *module.buffers()])
+            for _ in range(2):
+                backward(module(long_batch(batch)).float().mean())
+                step()
+        peaks.append(counter.peak)
+        del module, backward, step, model
+        gc.collect()
+        if strategy.startswith("zero"):
+            from deepspeed.utils import groups
+
+            groups._WORLD_GROUP = None  # a fresh engine next, as in a fresh job
+    return gathered(peaks)

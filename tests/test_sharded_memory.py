@@ -8,8 +8,6 @@ the fake group; the peaks must be identical.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,10 +16,6 @@ from autobatch.distributed.launch import spawn_local
 from autobatch.probing.memtrack import MemoryTracker
 from tests import sharded_jobs
 from tests.extras import need
-
-SLOW = pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason=(
-    "two-process gloo run with DeepSpeed (~30 s alone, minutes on a shared CPU); set AUTOBATCH_SLOW_TESTS=1 to include it"))
-
 
 UNIT = 64 * 65 * 4  # one block's unsharded parameters (weight and bias, fp32): 16,640 bytes
 
@@ -40,7 +34,6 @@ def gloo_ranks() -> list[dict]:
     return spawn_local(sharded_jobs.gloo_job, nprocs=2, backend="gloo", timeout_s=240)
 
 
-@SLOW
 def test_fsdp2_step_tracker_holds_a_shard_and_bounds_the_allocator_from_below(gloo_ranks: list[dict]) -> None:
     params = sum(p.numel() * 4 for p in sharded_jobs.blocks().parameters())
     for rank in gloo_ranks:
@@ -61,7 +54,6 @@ def test_fsdp2_step_tracker_holds_a_shard_and_bounds_the_allocator_from_below(gl
         assert step["tracker_resident"] == step["expected_resident"]
 
 
-@SLOW
 def test_fake_group_peaks_equal_two_gloo_ranks(gloo_ranks: list[dict]) -> None:
     for rank in gloo_ranks:
         with fake_process_group(2, rank=rank["trials"]["rank"]):
@@ -71,10 +63,11 @@ def test_fake_group_peaks_equal_two_gloo_ranks(gloo_ranks: list[dict]) -> None:
         (peak, _, _, resident, _), (real_peak, _, _, real_resident, _) = faked["fsdp2"], rank["trials"]["fsdp2"]
         assert in_flight(resident - real_resident) and resident <= real_resident
         assert in_flight(peak - real_peak)
-        # ZeRO-2: 8 bytes apart in this setup: a real group keeps a collective's tensors alive until
-        # its work is waited on, the fake group completes at once (docs/sharding.md).
+        # ZeRO-2: a real group keeps a collective's tensors alive until its work is waited on, the
+        # fake group completes at once (docs/sharding.md): the real peak is higher by at most one
+        # reduce bucket in flight (reduce_bucket_size = 64² elements), what stays is the same.
         (peak, _, _, resident, _), (real_peak, _, _, real_resident, _) = faked["zero2"], rank["trials"]["zero2"]
-        assert abs(peak - real_peak) <= 16 and abs(resident - real_resident) <= 16
+        assert 0 <= real_peak - peak <= 64 * 64 * 4 and abs(resident - real_resident) <= 16
     # the two ranks hold the same shapes: their figures agree too
     first, second = gloo_ranks[0]["trials"]["fsdp2"], gloo_ranks[1]["trials"]["fsdp2"]
     assert in_flight(first[3] - second[3]) and in_flight(first[0] - second[0])

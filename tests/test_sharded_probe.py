@@ -51,17 +51,20 @@ def test_states_that_do_not_fit_unsharded_fit_under_fsdp2_and_zero3() -> None:
     assert zero3.extra["sharding"]["deepspeed_zero_optimization"]["reduce_bucket_size"] == 64 * 64
 
 
-def test_max_batch_never_shrinks_from_ddp_through_the_zero_stages() -> None:
+def test_every_zero_stage_answers_above_ddp_and_zero2_never_below_zero1() -> None:
     # Back in the default run: its four probes took ~20 s while each trial's gc.collect() walked the
     # whole test process; with the heap frozen (autobatch/probing/heap.py) they take about a second.
+    # ZeRO-3 is not ordered against ZeRO-2 here: on a model this small its gathered units and
+    # persistent parameters outweigh what it shards (real ranks agree: tests/test_real_ranks.py).
     need("deepspeed")
     budget = "400KiB"
-    maxima = []
+    maxima = {}
     for name in ("ddp", "zero1", "zero2", "zero3"):
         result = probe_sharded(sharded_jobs.workload(), SimulatedBackend(budget), name, 4)
         assert_exact(result)
-        maxima.append(result.max_batch)
-    assert maxima == sorted(maxima) and maxima[0] < maxima[-1], maxima
+        maxima[name] = result.max_batch
+    assert maxima["ddp"] < min(maxima["zero1"], maxima["zero2"], maxima["zero3"]), maxima
+    assert maxima["zero1"] <= maxima["zero2"], maxima
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "zero2", "zero3"])

@@ -23,7 +23,7 @@ from ..probing.backends import MemoryBackend
 from ..probing.heap import frozen_heap
 from ..probing.probe import DEFAULT_HEADROOM, prior_report, resolve_headroom, result_from_search
 from ..probing.result import ProbeResult
-from ..probing.search import search_max
+from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
 from ..probing.workload import Workload
 from ..strategy import Strategy, parse_strategy
@@ -99,26 +99,43 @@ def probe_sharded(
         min_batch = min_batch_for(template)
     if max_batch is not None and max_batch < min_batch:
         raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
-    breakdowns: dict[int, MemoryBreakdown | None] = {}
+    breakdowns: dict[tuple[int, int], MemoryBreakdown | None] = {}
     configs: dict[int, dict[str, Any]] = {}
 
-    def run(batch: int) -> Trial:
-        done = run_sharded_trial(workload, template, strategy, backend, batch, deepspeed_config=deepspeed_config)
-        breakdowns[batch], configs[batch] = done.breakdown, done.config
-        if on_trial is not None:
-            on_trial(done.trial)
-        return done.trial
+    def runner(rank: int) -> Callable[[int], Trial]:
+        def run(batch: int) -> Trial:
+            done = run_sharded_trial(workload, template, strategy, backend, batch, deepspeed_config=deepspeed_config)
+            breakdowns[rank, batch], configs[batch] = done.breakdown, done.config
+            if on_trial is not None:
+                on_trial(done.trial)
+            return done.trial
+        return run
 
     # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
     with frozen_heap(), fake_process_group(world_size):
-        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
+        outcome = search_max(runner(0), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
+    # Ranks hold different shards where the partitions are uneven (ZeRO-1/2 pad and split the flat
+    # buffer by rank, FSDP pads the last shard): the last rank plays the answer too, and where it
+    # runs out of memory there, its own search goes on below it. The answer is the smaller one.
+    worst, played = 0, [0]
+    if world_size > 1 and strategy.name != "ddp" and outcome.max_batch >= min_batch:  # DDP: every rank the same
+        last = world_size - 1
+        played.append(last)
+        with frozen_heap(), fake_process_group(world_size, rank=last):
+            check = runner(last)(outcome.max_batch)
+            if not check.fits:
+                worst = last
+                outcome = (SearchOutcome(0, "memory", (check,)) if outcome.max_batch == min_batch else
+                           search_max(runner(last), capacity, min_batch=min_batch, max_batch=max_batch,
+                                      fails_at=outcome.max_batch))
     backend.release()
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
         workload=workload.name, context=f"under {strategy.label} on {world_size} rank{'s' if world_size != 1 else ''}, ",
         fix=_advice(strategy),
-        extra={"sharding": sharding_report(strategy, world_size, breakdowns.get(outcome.max_batch),
-                                           configs.get(outcome.max_batch)), **prior_report(prior)},
+        extra={"sharding": {**sharding_report(strategy, world_size, breakdowns.get((worst, outcome.max_batch)),
+                                              configs.get(outcome.max_batch)),
+                            "ranks_played": played, "limiting_rank": worst}, **prior_report(prior)},
     )
 
 

@@ -111,6 +111,8 @@ class MemoryTracker(TorchDispatchMode):
                 if isinstance(inner, torch.Tensor):
                     self._register(inner, check_budget=check_budget)
             return
+        if tensor.device.type == "meta":  # shapes only (ZeRO-1/2 keep a meta copy of every parameter): no memory
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts

@@ -1,0 +1,56 @@
+"""The one-process probe answers for the rank with the largest state, not for rank 0.
+
+ZeRO-1/2 split their flat buffers, and what each rank reduces, by rank: on this model under
+ZeRO-2 over four ranks, rank 3 peaks 360 KiB above rank 0, some seventy samples' worth. Before,
+the probe played rank 0 alone and answered seventy samples too many for rank 3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import autobatch
+from autobatch.distributed.fake_group import fake_process_group
+from autobatch.distributed.sharded_trial import run_sharded_trial
+from autobatch.distributed.simulated_world import probe_sharded
+from autobatch.probing.backends import SimulatedBackend
+from autobatch.probing.heap import frozen_heap
+from autobatch.strategy import parse_strategy
+from tests.extras import need
+
+WORLD, B = 4, 8
+
+
+def uneven() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 300), torch.nn.Linear(300, 7))
+
+
+def _workload() -> autobatch.Workload:
+    return autobatch.Workload(uneven, lambda b: torch.randn(b, 300))
+
+
+def _peak(rank: int, batch: int) -> int:
+    with frozen_heap(), fake_process_group(WORLD, rank=rank):
+        return run_sharded_trial(_workload(), uneven(), parse_strategy("zero2"), SimulatedBackend("4GiB"),
+                                 batch).trial.reserved_bytes
+
+
+def test_the_last_rank_plays_the_answer_and_limits_it() -> None:
+    need("deepspeed")
+    last = WORLD - 1
+    budget = (_peak(last, B) + _peak(last, B + 1)) // 2  # rank 3 fits B, not B + 1
+    assert _peak(0, B + 20) < budget  # rank 0 alone would answer far above B
+    result = probe_sharded(_workload(), SimulatedBackend(budget), "zero2", WORLD, headroom=0)
+    assert result.max_batch == B
+    sharding = result.extra["sharding"]
+    assert sharding["ranks_played"] == [0, last] and sharding["limiting_rank"] == last
+    assert sharding["per_rank"]["peak"] == _peak(last, B)  # the breakdown is the limiting rank's
+
+
+def test_where_rank_0_is_the_largest_the_last_rank_costs_one_trial() -> None:
+    need("deepspeed")
+    trials: list[autobatch.Trial] = []
+    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), "zero1", 2, headroom=0, on_trial=trials.append)
+    assert result.extra["sharding"]["limiting_rank"] == 0
+    assert len(trials) == len(result.trials) + 1 and trials[-1].batch == result.max_batch and trials[-1].fits

@@ -63,7 +63,7 @@ def test_an_index_less_cuda_with_one_visible_gpu_per_task_is_that_gpu(monkeypatc
 def test_a_local_rank_beyond_the_visible_gpus_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "9")
     with emulated(8, patch=monkeypatch):
-        with pytest.raises(AutobatchError, match="local rank is 9 but only 8 GPUs are visible"):
+        with pytest.raises(AutobatchError, match="LOCAL_RANK=9 but only 8 GPUs are visible"):
             make_backend("cuda")
 
 

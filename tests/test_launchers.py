@@ -209,3 +209,18 @@ def test_each_rank_probes_its_own_gpu_and_the_plan_has_the_jobs_shape(launched, 
         assert (rank["plan_nodes"], rank["plan_gpus_per_node"], rank["plan_world"]) == (nodes, per_node, 2)
         assert rank["nodes"] == nodes and rank["local_world_size"] == per_node
     assert ranks[0]["micro_batch"] == ranks[1]["micro_batch"]  # every rank agrees
+
+
+def test_one_budget_per_rank_on_the_command_line(monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    _clear(monkeypatch)
+    result = CliRunner().invoke(app, ["find", "--model", "tiny-mlp", "--target", "8", "--device", "cpu",
+                                      "--memory", "60MiB,40MiB"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "--memory 60MiB,40MiB gives one budget per rank, which needs a launcher" in result.output
+    result = CliRunner().invoke(app, ["find", "--model", "tiny-mlp", "--target", "8", "--device", "cpu",
+                                      "--memory", "60MiB,40"])
+    assert result.exit_code != 0 and "--memory needs a unit" in result.output

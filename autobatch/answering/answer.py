@@ -179,9 +179,11 @@ def _launched(request: Request) -> Report:
     from ..distributed.lockstep import probe_distributed
 
     env = rank_env()
-    # "cuda" without an index is this rank's GPU: its local rank, or the one GPU it was left.
     memory = request.memory_of(env.rank)  # simulated mixed GPUs: rank r takes the r-th budget
-    backend = make_backend(request.device or ("cuda" if memory is None else "cpu"), memory)
+    # This rank's GPU: its local rank, or the one GPU the launcher left it.
+    visible = torch.cuda.device_count()
+    here = f"cuda:{env.device_index(visible)}" if visible else "cuda"
+    backend = make_backend(request.device or (here if memory is None else "cpu"), memory)
     strategies = request.strategies
     with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=request.timeout):
         workload = workload_of(request)

@@ -21,7 +21,7 @@ import torch
 from ..errors import AutobatchError, RequestError, option
 from ..strategy import Strategy, parse_strategies
 from ..units import parse_bytes
-from .sizes import size_problems
+from .sizes import budgets_of, per_rank_problems, size_problems
 
 __all__ = ["Request", "MODES"]
 
@@ -170,20 +170,9 @@ class Request:
         """One row per length (several lengths, or the evaluation batch too)."""
         return bool(self.lengths and len(self.lengths) > 1) or self.evaluation
 
-    @property
-    def budgets(self) -> tuple[int | str, ...] | None:
-        """The simulated budgets: one for every rank, or one per rank ("60MiB,40MiB": rank r takes the r-th)."""
-        if self.memory is None:
-            return None
-        if isinstance(self.memory, str):
-            return tuple(part.strip() for part in self.memory.split(","))
-        if isinstance(self.memory, (list, tuple)):
-            return tuple(self.memory)
-        return (self.memory,)
-
     def memory_of(self, rank: int) -> int | str | None:
-        """Rank ``rank``'s simulated budget, or ``None`` on a real GPU."""
-        budgets = self.budgets
+        """Rank ``rank``'s simulated budget ("60MiB,40MiB": rank r takes the r-th), or ``None`` on a real GPU."""
+        budgets = budgets_of(self.memory)
         return None if budgets is None else budgets[0] if len(budgets) == 1 else budgets[rank]
 
     @property
@@ -284,9 +273,9 @@ class Request:
             problems.append(f"{option('timeout')} must be a positive number of seconds, but got {self.timeout!r}")
 
     def _check_device(self, problems: list[str]) -> None:
-        budgets = self.budgets or ()
+        budgets = budgets_of(self.memory) or ()
         if len(budgets) > 1:
-            self._check_budgets_per_rank(len(budgets), problems)
+            problems.extend(per_rank_problems(self.memory, len(budgets), self.launched))
         for name, value in [*(("memory", b) for b in budgets), ("gpu_memory", self.gpu_memory),
                             ("workspace", self.workspace)]:
             if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
@@ -327,18 +316,6 @@ class Request:
         if self.launched and self.device is not None and self.device.startswith("cuda:"):
             problems.append(f"under a launcher every rank probes its own GPU (LOCAL_RANK), but {option('device')} "
                             f"names {self.device} for all of them; drop {option('device')}")
-
-    def _check_budgets_per_rank(self, count: int, problems: list[str]) -> None:
-        if not self.launched:
-            problems.append(f"{option('memory')} {_spelt(self.memory)} gives one budget per rank, which needs a launcher "
-                            f"(torchrun, srun, …) to start the ranks; pass one budget, or launch {count} ranks")
-            return
-        from ..distributed.environment import rank_env
-
-        world = rank_env().world_size
-        if count != world:
-            problems.append(f"{option('memory')} {_spelt(self.memory)} gives {count} budgets, but the launcher started "
-                            f"{world} ranks; give one budget for all, or one per rank")
 
     def _check_rows(self, problems: list[str]) -> None:
         try:
@@ -420,6 +397,3 @@ class Request:
         check_request(self.target, self.gpus_here(), self.nodes, min_micro=self.min_micro or 1,
                       multiple_of=self.multiple_of, model_parallel=self.model_parallel)
 
-
-def _spelt(memory: Any) -> str:
-    return memory if isinstance(memory, str) else ",".join(str(m) for m in memory)

@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import AutobatchError, option
 from ..units import format_bytes, parse_bytes
 
-__all__ = ["MAX_GPU_MEMORY", "host_memory", "size_problems"]
+__all__ = ["MAX_GPU_MEMORY", "host_memory", "size_problems", "budgets_of", "per_rank_problems"]
 
 MAX_GPU_MEMORY = 4 << 40
 
@@ -42,3 +42,34 @@ def size_problems(memory: Any, gpu_memory: Any) -> list[str]:
         problems.append(f"{option('gpu_memory')} must be at most {format_bytes(MAX_GPU_MEMORY)} (no GPU holds more), "
                         f"but got {gpu_memory}; pass one GPU's memory, e.g. 80GiB")
     return problems
+
+
+def budgets_of(memory: Any) -> tuple[Any, ...] | None:
+    """The simulated budgets ``memory`` gives: one for every rank, or one per rank (``"60MiB,40MiB"``).
+
+    Example:
+        >>> budgets_of("60MiB, 40MiB")
+        ('60MiB', '40MiB')
+    """
+    if memory is None:
+        return None
+    if isinstance(memory, str):
+        return tuple(part.strip() for part in memory.split(","))
+    if isinstance(memory, (list, tuple)):
+        return tuple(memory)
+    return (memory,)
+
+
+def per_rank_problems(memory: Any, count: int, launched: bool) -> list[str]:
+    """One line where a budget per rank cannot apply: no launcher, or not one per launched rank."""
+    spelt = memory if isinstance(memory, str) else ",".join(str(m) for m in memory)
+    if not launched:
+        return [f"{option('memory')} {spelt} gives one budget per rank, which needs a launcher (torchrun, srun, …) "
+                f"to start the ranks; pass one budget, or launch {count} ranks"]
+    from ..distributed.environment import rank_env
+
+    world = rank_env().world_size
+    if count != world:
+        return [f"{option('memory')} {spelt} gives {count} budgets, but the launcher started {world} ranks; "
+                "give one budget for all, or one per rank"]
+    return []

@@ -47,7 +47,7 @@ from .fence import TrialFence, is_stopped_by_peer
 from .launch import DEFAULT_TIMEOUT_S
 from .agreement import Comm, agree_on_errors, agreed_prior, agreed_trial, collective, comm_device, share_trial, warm_up
 from .result import DistributedProbeResult, RankReport
-from .sharded_trial import run_sharded_trial
+from .sharded_trial import off_the_gpu, run_sharded_trial
 from .sharding import with_unit
 from .simulated_world import sharding_report
 
@@ -139,7 +139,8 @@ def probe_distributed(
     needed = min_batch or 1
     try:
         if backend is None:
-            backend = make_backend("cuda" if torch.cuda.is_available() else "cpu")  # cuda: this rank's GPU
+            here = rank_env().device_index(torch.cuda.device_count()) if torch.cuda.is_available() else None
+            backend = make_backend("cpu" if here is None else f"cuda:{here}")  # this rank's GPU
         model = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
         if not isinstance(model, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
@@ -220,6 +221,8 @@ def probe_distributed(
                     if is_stopped_by_peer(str(error)):
                         error = None  # the rank that ran out of memory reports it
                 agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
+            if chosen is not None:  # each sharded trial wraps its own copy: the model waits in host memory
+                stack.enter_context(off_the_gpu(model))
             outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
                                  prior=agreed_prior(comm, prior))
             net = None  # the wrapper's gradient buckets die with the last reference

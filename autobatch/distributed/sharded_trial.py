@@ -35,7 +35,7 @@ from ..strategy import Strategy
 from .fence import TrialFence
 from .sharding import Wrapped, local_bytes, wrap_model
 
-__all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial"]
+__all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial", "off_the_gpu"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,37 @@ def _current_gpu(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_device(previous)
+
+
+@contextmanager
+def off_the_gpu(template: torch.nn.Module) -> Iterator[None]:
+    """The user's model in host memory while sharded trials run, then back where it was, bit for bit.
+
+    Each trial wraps its own copy, which the wrapper puts on the GPU as a shard. A model left on
+    the GPU beside it would hold a whole unsharded copy that the job never holds (its model *is*
+    the one sharded), and every batch would be answered that much too small. Parameters stay the
+    same objects (their ``.data`` moves), so hooks, optimizers and ties that refer to them hold.
+    """
+    moved: list[tuple[torch.Tensor, torch.device]] = []
+    for tensor in [*template.parameters(), *template.buffers()]:
+        if tensor.device.type not in ("cpu", "meta") and not _is_fake(tensor):
+            moved.append((tensor, tensor.device))
+            tensor.data = tensor.data.to("cpu")
+            if tensor.grad is not None:
+                tensor.grad.data = tensor.grad.data.to("cpu")
+    try:
+        yield
+    finally:
+        for tensor, device in moved:
+            tensor.data = tensor.data.to(device)
+            if tensor.grad is not None:
+                tensor.grad.data = tensor.grad.data.to(device)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
 
 
 def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn.Module:

@@ -28,7 +28,7 @@ from ..probing.trial import Trial
 from ..probing.workload import Workload
 from ..strategy import Strategy, parse_strategy
 from .fake_group import fake_process_group
-from .sharded_trial import MemoryBreakdown, run_sharded_trial
+from .sharded_trial import MemoryBreakdown, off_the_gpu, run_sharded_trial
 from .sharding import with_unit
 
 __all__ = ["probe_sharded", "sharding_report"]
@@ -112,7 +112,7 @@ def probe_sharded(
         return run
 
     # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
-    with frozen_heap(), fake_process_group(world_size):
+    with off_the_gpu(template), frozen_heap(), fake_process_group(world_size):
         outcome = search_max(runner(0), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
     # Ranks hold different shards where the partitions are uneven (ZeRO-1/2 pad and split the flat
     # buffer by rank, FSDP pads the last shard): the last rank plays the answer too, and where it
@@ -121,7 +121,7 @@ def probe_sharded(
     if world_size > 1 and strategy.name != "ddp" and outcome.max_batch >= min_batch:  # DDP: every rank the same
         last = world_size - 1
         played.append(last)
-        with frozen_heap(), fake_process_group(world_size, rank=last):
+        with off_the_gpu(template), frozen_heap(), fake_process_group(world_size, rank=last):
             check = runner(last)(outcome.max_batch)
             if not check.fits:
                 worst = last

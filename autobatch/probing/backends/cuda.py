@@ -101,10 +101,11 @@ class CudaBackend(MemoryBackend):
 def resolve_cuda_device(device: int | str | torch.device | None = None) -> torch.device:
     """The CUDA device a name means here: ``"cuda"`` without an index is this rank's GPU.
 
-    Under a launcher (torchrun, the DeepSpeed launcher, srun, mpirun) an index-less device is ``cuda:<local rank>``, or
+    Under a launcher that sets ``LOCAL_RANK`` an index-less device is ``cuda:<local rank>``, or
     ``cuda:0`` when the launcher left each process one visible GPU; never simply the current
     device, which is GPU 0 on every rank until someone calls ``set_device``. Without a launcher
-    it is the current device.
+    it is the current device. (Launchers that name the local rank otherwise, srun and mpirun, are
+    read by :func:`autobatch.rank_env`, which the distributed probe uses to name the GPU outright.)
 
     Example:
         >>> resolve_cuda_device("cuda:1")
@@ -117,11 +118,18 @@ def resolve_cuda_device(device: int | str | torch.device | None = None) -> torch
         raise AutobatchError(f"the CUDA backend needs a cuda device, but got {str(resolved)!r}")
     if resolved.index is not None:
         return resolved
-    from ...distributed.environment import is_launched, rank_env
-
-    if not is_launched() and "LOCAL_RANK" not in os.environ:
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None or not local_rank.isdigit():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cuda", rank_env().device_index(torch.cuda.device_count()))
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return torch.device("cuda", 0)
+    if int(local_rank) >= visible:
+        raise AutobatchError(
+            f"LOCAL_RANK={local_rank} but only {visible} GPUs are visible to this process; start at most "
+            f"{visible} processes per node, or name the device (--device cuda:N)"
+        )
+    return torch.device("cuda", int(local_rank))
 
 
 def nvml_usage(index: int | None) -> int | None:

@@ -66,6 +66,7 @@ def fsdp2_step_figures() -> dict[str, int]:
                 model(batch(4)).sum().backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+        _settle(tracker)
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     live = allocator_peak = 0
@@ -77,6 +78,28 @@ def fsdp2_step_figures() -> dict[str, int]:
     return {"rank": dist.get_rank(), "base": base, "tracker_peak": tracker.peak_bytes - base,
             "allocator_peak": allocator_peak, "tracker_resident": tracker.current_bytes,
             "allocator_resident": base + live, "expected_resident": expected}
+
+
+def _settle(tracker: MemoryTracker) -> None:
+    """Wait until gloo's worker threads have let go of the last collectives' buffers.
+
+    A finished collective's tensors stay referenced by its work until the worker thread that ran
+    it drops the work, a moment after it completes; the resident figure read in that moment holds
+    one more gathered block (16,640 bytes), and a worker may hold its last work until it takes the
+    next. A few small collectives pass through every worker (gloo runs two), the barrier finishes
+    them all, and the figure is read once it has stayed the same for a tenth of a second.
+    """
+    import time
+
+    for _ in range(4):
+        dist.all_reduce(torch.zeros(1))
+    dist.barrier()
+    last, steady_since = tracker.current_bytes, time.monotonic()
+    deadline = steady_since + 5
+    while time.monotonic() - steady_since < 0.1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        if tracker.current_bytes != last:
+            last, steady_since = tracker.current_bytes, time.monotonic()
 
 
 def trial_peaks(strategies: tuple[str, ...] = ("fsdp2", "zero2"), batch_size: int = 3) -> dict[str, Any]:

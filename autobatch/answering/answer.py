@@ -175,14 +175,12 @@ def _probe(request: Request, note: Note, on_trial: Callable[[Any], None] | None)
 
 def _launched(request: Request) -> Report:
     """Under torchrun, ``accelerate launch``, …: every rank probes its own device, in lockstep."""
-    from ..distributed.launch import is_main_process, process_group, rank_env
+    from ..distributed.launch import is_main_process, process_group, rank_env, rank_gpu
     from ..distributed.lockstep import probe_distributed
 
     env = rank_env()
     memory = request.memory_of(env.rank)  # simulated mixed GPUs: rank r takes the r-th budget
-    # This rank's GPU: its local rank, or the one GPU the launcher left it.
-    visible = torch.cuda.device_count()
-    here = f"cuda:{env.device_index(visible)}" if visible else "cuda"
+    here = f"cuda:{rank_gpu(env)}" if torch.cuda.device_count() else "cuda"  # this rank's GPU
     backend = make_backend(request.device or (here if memory is None else "cpu"), memory)
     strategies = request.strategies
     with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=request.timeout):

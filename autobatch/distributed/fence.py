@@ -15,9 +15,10 @@ with it fails at once ("Connection closed by peer"), and that peer takes its gro
 which frees whoever waits on it in turn. A watcher thread on every rank reads the store: once the
 key appears it gives the trial's gloo groups a timeout of a second (a collective started after the
 connections closed would otherwise wait out the group's whole timeout), and aborts its NCCL
-groups, whose collectives do not see a closed peer, which ends the collectives blocked in them. Either way each rank's step raises, the rank finds the key,
-and records the trial as "does not fit" because of that rank; every rank then meets the others
-in the probe's own agreement, on the default group, which the fence never touches.
+groups, whose collectives do not see a closed peer, which ends the collectives blocked in them.
+Either way each rank's step raises, the rank finds the key, and records the trial as "does not
+fit" because of that rank; every rank then meets the others in the probe's own agreement, on the
+default group, which the fence never touches.
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-__all__ = ["TrialFence", "live_groups", "is_stopped_by_peer", "STOPPED_BY_PEER"]
+__all__ = ["TrialFence", "live_groups", "groups_made_since", "is_stopped_by_peer", "STOPPED_BY_PEER"]
 
 # How a trial that another rank's failure ended says so (it proves nothing about this rank's memory).
-STOPPED_BY_PEER = "stopped: another rank ran out of memory in the same step"
+_STOPPED = "stopped: "
+STOPPED_BY_PEER = _STOPPED + "another rank ran out of memory in the same step"
 
 
 def is_stopped_by_peer(error: str | None) -> bool:
     """Whether a failed trial's error is another rank's out-of-memory error, not this rank's."""
-    return bool(error) and error.startswith("stopped: ")
+    return bool(error) and error.startswith(_STOPPED)
 
 _POLL_S = 0.05
 _AFTER_FAILURE = timedelta(seconds=1)
@@ -50,6 +52,11 @@ _probes = itertools.count()
 def live_groups() -> list[Any]:
     """Every process group alive in this process (the default one included)."""
     return list(distributed_c10d._world.pg_map)
+
+
+def groups_made_since(before: set[Any]) -> list[Any]:
+    """The process groups alive now that were not in ``before`` (never the default group)."""
+    return [g for g in live_groups() if g not in before and g is not dist.GroupMember.WORLD]
 
 
 class TrialFence:
@@ -86,14 +93,14 @@ class TrialFence:
 
     def __enter__(self) -> TrialFence:
         self._before = set(live_groups())
-        timeout = timedelta(seconds=self.timeout_s)
-        self.group = dist.new_group(timeout=timeout)
+        fence_timeout = timedelta(seconds=self.timeout_s)
+        self.group = dist.new_group(timeout=fence_timeout)
         # The groups a wrapper makes during the trial (DeepSpeed's world group) would inherit the
         # job's timeout, which outlasts the agreement after the trial: they take the fence's.
         original = self._new_group = dist.new_group
 
         def new_group(*args: Any, timeout: timedelta | None = None, **kwargs: Any) -> Any:
-            return original(*args, timeout=timeout or timedelta(seconds=self.timeout_s), **kwargs)
+            return original(*args, timeout=timeout or fence_timeout, **kwargs)
 
         dist.new_group = new_group
         self._watcher = threading.Thread(target=self._watch, name="autobatch-fence", daemon=True)
@@ -110,9 +117,9 @@ class TrialFence:
     def out_of_memory(self) -> None:
         """This rank ran out of memory: say so to every rank (whose watchers abort NCCL groups).
 
-        The groups come down in :meth:`take_down`, once the trial's wrapper is gone: a gloo group
-        closes its connections (which frees the peers blocked on this rank) only when nothing
-        refers to it any more, and the wrapper (DDP's reducer, FSDP's state) does.
+        The groups come down in :meth:`take_down`, once the trial's wrapper is gone and collected:
+        taken down while DDP's reducer still held its group, the peers blocked on this rank stayed
+        blocked.
         """
         self._store.set(self.key, str(dist.get_rank()))
         self._failed_here = True
@@ -120,7 +127,8 @@ class TrialFence:
     def peer_failure(self) -> str | None:
         """Why this trial failed on another rank (``"stopped: rank 1 ran out of memory …"``), else ``None``.
 
-        A rank that learns of it takes its own groups down too, so that whoever waits on it is freed.
+        A rank that learns of it then takes its own groups down (:meth:`take_down`), so that whoever
+        waits on it is freed in turn.
         """
         if not self._store.check([self.key]):
             return None
@@ -141,7 +149,7 @@ class TrialFence:
                 return
 
     def _trial_groups(self) -> list[Any]:
-        return [g for g in live_groups() if g not in self._before and g is not dist.GroupMember.WORLD]
+        return groups_made_since(self._before)
 
     def take_down(self) -> None:
         """Destroy the trial's groups (its own, and those a wrapper made during it), once the wrapper is gone."""

@@ -38,6 +38,7 @@ __all__ = [
     "rank_env",
     "is_launched",
     "is_main_process",
+    "rank_gpu",
     "process_group",
     "spawn_local",
     "exit_rank",
@@ -58,6 +59,11 @@ def is_main_process() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return rank_env().is_main
+
+
+def rank_gpu(env: RankEnv | None = None) -> int:
+    """This rank's GPU index: its local rank, or 0 where the launcher left it one GPU (``CUDA_VISIBLE_DEVICES``)."""
+    return (env or rank_env()).device_index(torch.cuda.device_count())
 
 
 def _default_backend() -> str:
@@ -97,8 +103,7 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
         addr, port = addr or "127.0.0.1", port or _free_port()
     backend = backend or _default_backend()
     if backend == "nccl":
-        # This rank's GPU: its local rank, or the one GPU the launcher left it (CUDA_VISIBLE_DEVICES).
-        torch.cuda.set_device(env.device_index(torch.cuda.device_count()))
+        torch.cuda.set_device(rank_gpu(env))
     # The rendezvous named outright: srun and mpirun set no RANK/WORLD_SIZE for env:// to read.
     dist.init_process_group(
         backend, init_method=f"tcp://{_host(addr)}:{port}", rank=env.rank, world_size=env.world_size,

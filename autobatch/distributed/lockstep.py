@@ -44,7 +44,7 @@ from ..units import format_bytes
 from .ddp import ddp_for_trials
 from .environment import is_launched, rank_env
 from .fence import TrialFence, is_stopped_by_peer
-from .launch import DEFAULT_TIMEOUT_S
+from .launch import DEFAULT_TIMEOUT_S, rank_gpu
 from .agreement import Comm, agree_on_errors, agreed_prior, agreed_trial, collective, comm_device, share_trial, warm_up
 from .result import DistributedProbeResult, RankReport
 from .sharded_trial import off_the_gpu, run_sharded_trial
@@ -139,8 +139,7 @@ def probe_distributed(
     needed = min_batch or 1
     try:
         if backend is None:
-            here = rank_env().device_index(torch.cuda.device_count()) if torch.cuda.is_available() else None
-            backend = make_backend("cpu" if here is None else f"cuda:{here}")  # this rank's GPU
+            backend = make_backend(f"cuda:{rank_gpu()}" if torch.cuda.is_available() else "cpu")  # this rank's GPU
         model = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
         if not isinstance(model, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")

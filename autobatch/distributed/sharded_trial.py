@@ -122,11 +122,9 @@ def _is_fake(tensor: torch.Tensor) -> bool:
 
 
 def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn.Module:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     memo: dict[int, Any] = {}
     for t in [*template.parameters(), *template.buffers()]:
-        if isinstance(t, FakeTensor):  # fake weights hold no data: a fresh fake tensor of each costs nothing
+        if _is_fake(t):  # fake weights hold no data: a fresh fake tensor of each costs nothing
             with t.fake_mode:
                 fresh = torch.empty_like(t)
             memo[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(

@@ -111,23 +111,24 @@ def probe_sharded(
             return done.trial
         return run
 
-    # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
-    with off_the_gpu(template), frozen_heap(), fake_process_group(world_size):
-        outcome = search_max(runner(0), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
-    # Ranks hold different shards where the partitions are uneven (ZeRO-1/2 pad and split the flat
-    # buffer by rank, FSDP pads the last shard): the last rank plays the answer too, and where it
-    # runs out of memory there, its own search goes on below it. The answer is the smaller one.
     worst, played = 0, [0]
-    if world_size > 1 and strategy.name != "ddp" and outcome.max_batch >= min_batch:  # DDP: every rank the same
-        last = world_size - 1
-        played.append(last)
-        with off_the_gpu(template), frozen_heap(), fake_process_group(world_size, rank=last):
-            check = runner(last)(outcome.max_batch)
-            if not check.fits:
-                worst = last
-                outcome = (SearchOutcome(0, "memory", (check,)) if outcome.max_batch == min_batch else
-                           search_max(runner(last), capacity, min_batch=min_batch, max_batch=max_batch,
-                                      fails_at=outcome.max_batch))
+    with off_the_gpu(template):
+        # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
+        with frozen_heap(), fake_process_group(world_size):
+            outcome = search_max(runner(0), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
+        # Ranks hold different shards where the partitions are uneven (ZeRO-1/2 pad and split the flat
+        # buffer by rank, FSDP pads the last shard): the last rank plays the answer too, and where it
+        # runs out of memory there, its own search goes on below it. The answer is the smaller one.
+        if world_size > 1 and strategy.name != "ddp" and outcome.max_batch >= min_batch:  # DDP: every rank the same
+            last = world_size - 1
+            played.append(last)
+            with frozen_heap(), fake_process_group(world_size, rank=last):
+                check = runner(last)(outcome.max_batch)
+                if not check.fits:
+                    worst = last
+                    outcome = (SearchOutcome(0, "memory", (check,)) if outcome.max_batch == min_batch else
+                               search_max(runner(last), capacity, min_batch=min_batch, max_batch=max_batch,
+                                          fails_at=outcome.max_batch))
     backend.release()
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,

@@ -27,6 +27,7 @@ import torch
 from ..errors import AutobatchError, MissingDependencyError
 from ..probing.workload import Workload, make_optimizer, resolve_dtype
 from ..strategy import Strategy
+from .fence import groups_made_since, live_groups
 
 if TYPE_CHECKING:
     from .sharding import Wrapped
@@ -210,7 +211,7 @@ class _Globals:
         self.depth = len(self.stack) if isinstance(self.stack, list) else 0
         self.cuda_device: int | None = None  # the caller's current GPU, set back when the trial ends
         self.checks: list[tuple[Any, str, Any]] = []
-        self.groups_before = set(_process_groups())  # the groups DeepSpeed makes are destroyed with the trial
+        self.groups_before = set(live_groups())  # the groups DeepSpeed makes are destroyed with the trial
         self.local_rank = os.environ.get("LOCAL_RANK")
 
     def set_local_rank(self, device: torch.device) -> None:
@@ -245,9 +246,8 @@ class _Globals:
 
         # Each engine makes its own world group (on NCCL a communicator, whose buffers sit outside
         # torch's statistics): left alive, every later trial would have one more.
-        for group in _process_groups():
-            if group not in self.groups_before and group is not dist.GroupMember.WORLD:
-                dist.destroy_process_group(group)
+        for group in groups_made_since(self.groups_before):
+            dist.destroy_process_group(group)
         for module, check, original in self.checks:
             setattr(module, check, original)
         self.checks.clear()
@@ -298,13 +298,6 @@ class _DataParallelOnly:
 
     def get_model_parallel_rank(self) -> int:
         return 0
-
-
-def _process_groups() -> list[Any]:
-    """Every process group alive in this process (the default one included)."""
-    from torch.distributed import distributed_c10d
-
-    return list(distributed_c10d._world.pg_map)
 
 
 def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workload, device: torch.device, *,

@@ -45,6 +45,7 @@ from .ddp import ddp_for_trials
 from .environment import is_launched, rank_env
 from .fence import TrialFence, is_stopped_by_peer
 from .launch import DEFAULT_TIMEOUT_S, rank_gpu
+from .own_limits import own_limits
 from .agreement import Comm, agree_on_errors, agreed_prior, agreed_trial, collective, comm_device, share_trial, warm_up
 from .result import DistributedProbeResult, RankReport
 from .sharded_trial import off_the_gpu, run_sharded_trial
@@ -83,6 +84,7 @@ def probe_distributed(
     strategy: Strategy | str | None = None,
     deepspeed_config: dict[str, Any] | None = None,
     prior: Callable[[int], float] | None = None,
+    each_rank: bool = False,
 ) -> DistributedProbeResult:
     """Probe the largest per-rank batch on every rank of the process group, in lockstep.
 
@@ -113,6 +115,9 @@ def probe_distributed(
             :func:`~autobatch.probing.search.search_max` (e.g. ``try_trace_prior(workload)``, built
             before the model moves); used only if every rank has one, and every rank reads the
             largest value any rank predicts (:func:`~autobatch.distributed.agreement.agreed_prior`).
+        each_rank: after the agreed search, each rank searches on to its own largest batch
+            (:func:`~autobatch.distributed.own_limits.own_limits`); the result's ``own_limits``
+            gives every rank's, for a plan per rank (:func:`~autobatch.solve_uneven`).
 
     Example:
         >>> # torchrun --nproc-per-node 2 script.py, with in script.py:
@@ -224,6 +229,12 @@ def probe_distributed(
                 stack.enter_context(off_the_gpu(model))
             outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
                                  prior=agreed_prior(comm, prior))
+            own = None if not each_rank or outcome.max_batch == 0 else own_limits(
+                comm, lambda b: _own_trial(workload, net if chosen is None else model, backend, b, chosen,
+                                           deepspeed_config, comm.timeout_s / 2),
+                local_trials[rank], capacity=backend.capacity(), headroom=headroom, min_batch=min_batch,
+                max_batch=max_batch, lockstep=chosen is not None, prior=prior,
+                timed=backend.device.type == "cuda")[0]
             net = None  # the wrapper's gradient buckets die with the last reference
     if owned:
         del model
@@ -265,10 +276,21 @@ def probe_distributed(
         safe_peak_bytes=summary.safe_peak_bytes,
         safe_peak_measured=summary.safe_peak_measured,
         wrapped="ddp" if use_ddp else None if chosen is None else chosen.label,
+        own_limits=own,
         workload=workload.name,
         extra={**prior_report(prior), **({} if chosen is None else {"sharding": sharding_report(
             chosen, world, breakdowns.get(outcome.max_batch), configs.get(outcome.max_batch), simulated=False)})},
     )
+
+
+def _own_trial(workload: Workload, net: torch.nn.Module, backend: MemoryBackend, batch: int,
+               chosen: Strategy | None, deepspeed_config: dict[str, Any] | None, timeout_s: float) -> Trial:
+    """This rank's own trial at ``batch``: the (DDP) model's step, or a fenced sharded copy's."""
+    if chosen is None:
+        return run_trial(workload, net, backend, batch)
+    with TrialFence(timeout_s=timeout_s) as fence:
+        return run_sharded_trial(workload, net, chosen, backend, batch, deepspeed_config=deepspeed_config,
+                                 fence=fence).trial
 
 
 def _wrap_ddp(stack: ExitStack, model: torch.nn.Module, backend: MemoryBackend,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import AutobatchError
+from ..planning.per_rank import RankLimit
 from ..probing.backends import DeviceInfo
 from ..probing.result import BatchResult, ProbeResult
 from ..probing.trial import Trial
@@ -75,6 +76,7 @@ class DistributedProbeResult(BatchResult):
     limiting_ranks: tuple[int, ...]   # ranks that ran out of memory at max_batch + 1
     safe_peak_measured: bool
     wrapped: str | None               # "ddp" under DistributedDataParallel; a strategy's label when sharded
+    own_limits: tuple[RankLimit, ...] | None = None  # each rank's own largest and safe batch (each_rank=True)
 
     def _details(self) -> dict[str, Any]:
         return {
@@ -83,6 +85,7 @@ class DistributedProbeResult(BatchResult):
             "wrapped": self.wrapped,
             "limiting_ranks": list(self.limiting_ranks),
             "ranks": [r.to_dict() for r in self.ranks],
+            **({} if self.own_limits is None else {"own_limits": [lim.to_dict() for lim in self.own_limits]}),
         }
 
     def to_probe_result(self) -> ProbeResult:
@@ -95,7 +98,8 @@ class DistributedProbeResult(BatchResult):
         return ProbeResult(
             **common, device=self.ranks[limiting].device, safe_peak_measured=self.safe_peak_measured,
             extra={**self.extra, "distributed": {k: v for k, v in self._details().items()
-                                                 if k in ("world_size", "wrapped", "limiting_ranks", "ranks")}},
+                                                 if k in ("world_size", "wrapped", "limiting_ranks", "ranks",
+                                                          "own_limits")}},
         )
 
     def __str__(self) -> str:
@@ -116,7 +120,8 @@ class DistributedProbeResult(BatchResult):
         if (trace := self.trace_line()) is not None:  # this rank's trace: every rank traced the same batches
             lines.insert(1, trace)
         for r in self.ranks:
-            own = f"{r.exact_max} exact" if r.exact_max is not None else (
+            exact = r.exact_max if self.own_limits is None else self.own_limits[r.rank].max_batch
+            own = f"{exact} exact" if exact is not None else (
                 f"~{r.predicted_max} predicted" if r.predicted_max is not None else "unknown")
             mark = " <- limits the plan" if r.rank in self.limiting_ranks else ""
             lines.append(

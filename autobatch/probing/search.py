@@ -31,7 +31,7 @@ the cap is reached), so the answer is exact whenever memory grows with the batch
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .memory_curve import (
@@ -65,6 +65,7 @@ class _Search:
                  prior: Curve | None):
         self.run, self.capacity, self.cap, self.prior = run, capacity, max_batch, prior
         self.lo, self.hi = min_batch - 1, None  # largest known fit, smallest known failure
+        self.min_batch = min_batch
         self.phases: tuple[dict[int, int], dict[int, int]] = ({}, {})  # forward+backward, optimizer
         self.totals: dict[int, int] = {}  # the whole step's reserved peak, for the prior
         self.growing: dict[int, int] = {}  # the same where forward+backward, not the optimizer, set it
@@ -82,6 +83,10 @@ class _Search:
     def attempt(self, batch: int) -> bool:
         trial = self.run(batch)
         self.trials.append(trial)
+        return self.learn(trial)
+
+    def learn(self, trial: Trial) -> bool:
+        batch = trial.batch
         if trial.fits:
             self.lo = max(self.lo, batch)
             self.phases[0][batch] = trial.forward_backward_bytes or trial.reserved_bytes
@@ -183,9 +188,12 @@ class _Search:
     def clamp(self, batch: int) -> int:
         return max(self.lo + 1, min(batch, self.upper))
 
-    def search(self) -> SearchOutcome:
-        if not self.attempt(self.lo + 1):
-            return SearchOutcome(0, "memory", tuple(self.trials))
+    def search(self, known: Sequence[Trial] = ()) -> SearchOutcome:
+        for trial in known:
+            self.learn(trial)
+        if self.lo < self.min_batch:  # no fit known yet: the smallest batch first
+            if (self.hi is not None and self.hi <= self.min_batch) or not self.attempt(self.min_batch):
+                return SearchOutcome(0, "memory", tuple(self.trials))
         side, streak, stalls = 0, 0, 0  # side: +1 misses that fit (model too low), -1 that failed
         placed = None  # a fit where a settled model put the boundary: does the model stay there?
         bisecting = False
@@ -295,6 +303,7 @@ def search_max(
     max_batch: int | None = None,
     prior: Curve | None = None,
     fails_at: int | None = None,
+    known: Sequence[Trial] = (),
 ) -> SearchOutcome:
     """Find the largest batch ``b`` (``min_batch ≤ b ≤ max_batch``) for which ``run(b).fits``.
 
@@ -311,6 +320,8 @@ def search_max(
         fails_at: a batch already known to fail (one that just ran out of memory): the search
             stays below it and, with nothing else to go on (pass/fail trials), bisects toward it
             instead of doubling up to it.
+        known: trials already run at these batches (e.g. on this rank before), taken as the
+            search's first points; the outcome's ``trials`` are the new ones only.
 
     Example:
         >>> from autobatch.probing.trial import Trial
@@ -325,4 +336,4 @@ def search_max(
     search = _Search(run, capacity, min_batch, cap, prior)
     if fails_at is not None:
         search.hi = max(min_batch, fails_at)
-    return search.search()
+    return search.search([t for t in known if min_batch <= t.batch <= cap])

@@ -49,7 +49,7 @@ class Finding:
             **plan_summary(self.plan),
             "max_batch": self.probe.max_batch,
             "safe_batch": self.probe.safe_batch,
-            "plan": self.plan.to_dict(),
+            "plan": None if self.plan is None else self.plan.to_dict(),
             "probe": self.probe.to_dict(),
             "trials": [t.to_dict() for t in self.probe.trials],
             "estimated": False,
@@ -61,10 +61,11 @@ class Finding:
         return f"{self.probe}{' (cached)' if self.cached else ''}\nplan: {self.plan.describe()}"
 
 
-def plan_summary(plan: Plan) -> dict[str, Any]:
+def plan_summary(plan: Plan | None) -> dict[str, Any]:
     """The plan's numbers for the top level of a JSON answer, without its ``max_micro``: next to a
-    probe's ``max_batch`` that name read as the largest batch that fits, which it is not."""
-    return {k: v for k, v in plan.to_dict().items() if k != "max_micro"}
+    probe's ``max_batch`` that name read as the largest batch that fits, which it is not (none
+    without a plan)."""
+    return {} if plan is None else {k: v for k, v in plan.to_dict().items() if k != "max_micro"}
 
 
 def local_gpu_count() -> int:

@@ -17,8 +17,9 @@ from ..errors import AutobatchError
 from ..pipeline import Finding, find_plan, local_gpu_count, plan_from_probe, probe_worker, probed_strategy, trace_prior_for
 from ..planning.plan import Plan
 from ..planning.solver import solve
-from ..probing.probe import make_backend
+from ..probing.probe import for_data_parallel, make_backend
 from ..probing.workload import default_loss
+from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus, uneven_plan
 from .report import Report
 from .request import Request
 from .rows import estimate_strategy_rows, length_table, strategy_rows, user_deepspeed_config, workload_of
@@ -70,6 +71,8 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
         report = _probe(request, note, on_trial)
     if not report.main_rank:
         return report
+    if report.uneven is not None and report.plan is not None and any(request.outputs().values()):
+        note(FALLBACK_NOTE.format(uniform=report.plan))
     return _written(report, into=written, notes=notes)
 
 
@@ -100,6 +103,8 @@ def _estimate(request: Request, note: Note) -> Report:
     from ..estimating.overheads import Overheads
     from ..units import parse_bytes
 
+    if mixed_gpus(request) is not None:
+        return estimate_mixed(request, note)
     spec = resolve_gpu(request.gpu, request.gpu_memory)
     if not request.estimate:
         chosen = ("--gpu-memory" if request.gpu_memory is not None else "--gpu" if request.gpu is not None
@@ -191,15 +196,21 @@ def _launched(request: Request) -> Report:
         prior = (trace_prior_for(workload, backend, min_batch=request.min_micro)
                  if request.trace_prior and strategies is None else None)
         result = probe_distributed(workload, backend, max_batch=request.max_micro, min_batch=request.min_micro,
-                                   headroom=request.headroom, timeout_s=request.timeout, prior=prior, **sharded)
+                                   headroom=request.headroom, timeout_s=request.timeout, prior=prior,
+                                   each_rank=request.uneven, **sharded)
     agreed = result.to_probe_result()
     planning = request.planning()
     if request.nodes == 1 and env.nodes > 1:
         planning["nodes"] = env.nodes
-    plan = plan_from_probe(agreed, gpus_per_node=request.gpus_per_node or env.local_world_size, **planning)
-    finding = Finding(agreed, plan, ranks_report=str(result),
-                      strategy=probed_strategy(agreed, None if strategies is None else strategies[0]))
-    return Report(request, plan, rows=(finding,), device=agreed.device, main_rank=is_main_process())
+    gpus = request.gpus_per_node or env.local_world_size
+    uniform = not request.uneven or request.target is None or request.target % env.world_size == 0
+    plan = plan_from_probe(agreed, gpus_per_node=gpus, **planning) if uniform else None
+    strategy = probed_strategy(agreed, None if strategies is None else strategies[0])
+    uneven = None if not request.uneven else uneven_plan(
+        request, result.own_limits, strategy=strategy, min_micro=agreed.min_batch,
+        uniform_safe=for_data_parallel(agreed, env.world_size).safe_batch)
+    finding = Finding(agreed, plan, ranks_report=str(result), strategy=strategy)
+    return Report(request, plan, rows=(finding,), device=agreed.device, main_rank=is_main_process(), uneven=uneven)
 
 
 _RENAMED = {"max_batch": "max_micro", "use_trace_prior": "trace_prior", "use_cache": "cache"}

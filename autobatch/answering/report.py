@@ -42,6 +42,8 @@ class Report:
     notes: tuple[str, ...] = ()
     ways: dict[str, str] = field(default_factory=dict)  # strategy label → how its estimate ran
     main_rank: bool = True
+    uneven: Any = None   # the plan per rank (UnevenPlan) when the request asked for one
+    cards: tuple[dict[str, Any], ...] = ()  # each card of a mixed --gpu list: count, max and safe batch
 
     @property
     def mode(self) -> str:
@@ -85,7 +87,17 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` of every command that answers a request; the keys scripts read stay put:
         ``max_batch``, ``safe_batch``, ``plan``, ``probe``, ``trials``, ``strategies``; ``notes`` holds
-        what was said on the way (on stderr), when anything was."""
+        what was said on the way (on stderr), when anything was; ``per_rank`` and ``uneven`` the plan
+        per rank, when one was asked; ``gpus`` the cards of a mixed list."""
+        data = self._answer_dict()
+        if self.cards:
+            data["gpus"] = list(self.cards)
+        if self.uneven is not None:
+            data["uneven"] = self.uneven.to_dict()
+            data["per_rank"] = data["uneven"]["per_rank"]
+        return data
+
+    def _answer_dict(self) -> dict[str, Any]:
         tail = {**self.written, **({"changes": list(self.changes)} if self.changes else {}),
                 **({"notes": list(self.notes)} if self.notes else {})}
         if self.mode == "solve":

@@ -21,6 +21,7 @@ import torch
 from ..errors import AutobatchError, RequestError, option
 from ..strategy import Strategy, parse_strategies
 from ..units import parse_bytes
+from .mixed import gpu_problems, mixed_gpus, uneven_problems
 from .sizes import budgets_of, per_rank_problems, size_problems
 
 __all__ = ["Request", "MODES"]
@@ -85,6 +86,7 @@ class Request:
     base_lr: float | None = None
     base_batch: int | None = None
     headroom: float | int | str = 0.05
+    uneven: bool = False    # a plan per rank (mixed GPUs): answering/mixed.py
     strategy: str | Strategy | Sequence[Strategy] | None = None
     offload: str | None = None
     fsdp_unit: str | None = None
@@ -119,6 +121,7 @@ class Request:
         self._check_device(problems)
         self._check_rows(problems)
         self._check_outputs(problems)
+        problems.extend(uneven_problems(self))
         if problems:
             raise RequestError(problems)
         self._check_plan()
@@ -186,7 +189,8 @@ class Request:
         if self.gpus_per_node is not None:
             return self.gpus_per_node
         if self.mode != "probe":
-            return 1
+            mix = mixed_gpus(self) if self.mode == "estimate" else None
+            return 1 if mix is None else sum(n for _, n in mix) // self.nodes
         if self.launched:
             from ..distributed.launch import rank_env
 
@@ -306,13 +310,7 @@ class Request:
         if self.estimate and (self.device is not None or self.memory is not None):
             problems.append(f"an estimate traces on fake tensors for a named GPU, so {option('device')} and "
                             f"{option('memory')} do not apply; drop them, or probe with `autobatch find`")
-        if self.model is not None and self.mode == "estimate":
-            from ..estimating.gpus import resolve_gpu
-
-            try:
-                resolve_gpu(self.gpu, self.gpu_memory)
-            except AutobatchError as exc:
-                problems.append(str(exc))
+        problems.extend(gpu_problems(self))
         if self.launched and self.device is not None and self.device.startswith("cuda:"):
             problems.append(f"under a launcher every rank probes its own GPU (LOCAL_RANK), but {option('device')} "
                             f"names {self.device} for all of them; drop {option('device')}")
@@ -394,6 +392,6 @@ class Request:
 
         if self.model is None:
             return  # solve() itself says it, with the nearest plans
-        check_request(self.target, self.gpus_here(), self.nodes, min_micro=self.min_micro or 1,
-                      multiple_of=self.multiple_of, model_parallel=self.model_parallel)
+        check_request(None if self.uneven else self.target, self.gpus_here(), self.nodes,
+                      min_micro=self.min_micro or 1, multiple_of=self.multiple_of, model_parallel=self.model_parallel)
 

@@ -35,6 +35,7 @@ from .options import (
     StrategyOption,
     TrainSeqLen,
     TrustRemoteCode,
+    Uneven,
     Workspace,
     request_from,
 )
@@ -46,12 +47,13 @@ __all__ = ["estimate_command", "gpus_command", "models_command"]
 @command("estimate", examples=[
     "autobatch estimate --model gpt2 --gpu h100-80gb --target 224 --gpus 8",
     "autobatch estimate --model llama-1b --gpu-memory 40GiB --seq-len 2048 --dtype bf16",
+    "autobatch estimate --model gpt2 --gpu a100-80gb:4,a100-40gb:4 --target 512 --uneven",
 ])
 def estimate_command(
     model: ModelSpec, gpu: GpuName = None, gpu_memory: GpuMemory = None,
     target: int | None = typer.Option(None, "--target", min=1, rich_help_panel="Plan",
                                       help="Global batch per optimizer step: plan it with the estimated safe batch."),
-    gpus: GpusPerNode = 1, nodes: Nodes = 1, model_parallel: ModelParallel = 1, multiple_of: MultipleOf = None,
+    gpus: GpusPerNode = None, nodes: Nodes = 1, model_parallel: ModelParallel = 1, multiple_of: MultipleOf = None,
     seq_len: SeqLens = None, evaluation: Evaluation = False, train_seq_len: TrainSeqLen = None,
     input_shape: InputShape = None, num_classes: NumClasses = 10, trust_remote_code: TrustRemoteCode = False,
     dtype: Dtype = "fp32", optimizer: OptimizerName = "adamw", grad_checkpointing: GradCheckpointing = False,
@@ -59,7 +61,7 @@ def estimate_command(
     fragmentation: Fragmentation = 1.05, workspace: Workspace = "64MiB", deepspeed: DeepSpeedOut = None,
     accelerate: AccelerateOut = None, hf: HfOut = None, script: Script = "train.py",
     strategy: StrategyOption = None, offload: OffloadOption = None, fsdp_unit: FsdpUnitOption = None,
-    as_json: AsJson = False,
+    uneven: Uneven = False, as_json: AsJson = False,
 ) -> None:
     """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used.
 

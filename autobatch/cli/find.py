@@ -38,6 +38,7 @@ from .options import (
     Timeout,
     TrainSeqLen,
     TrustRemoteCode,
+    Uneven,
     request_from,
 )
 from .render import print_report
@@ -48,6 +49,8 @@ __all__ = ["find_command", "answer_and_print"]
 @command("find", examples=[
     "autobatch find --model gpt2 --target 224",
     "autobatch find --model tiny-gpt2 --target 96 --device cpu --memory 8MiB --deepspeed ds.json",
+    "torchrun --nproc-per-node 2 -m autobatch find --model tiny-mlp --target 100 --device cpu --memory 40MiB,20MiB "
+    "--uneven",
 ])
 def find_command(
     model: ModelSpec, target: FindTarget = None, gpus: GpusHere = None, nodes: Nodes = 1,
@@ -60,7 +63,7 @@ def find_command(
     no_trace_prior: NoTracePrior = False, deepspeed: DeepSpeedOut = None, accelerate: AccelerateOut = None,
     hf: HfOut = None, script: Script = "train.py", plot: PlotOut = None, timeout: Timeout = 300.0,
     strategy: StrategyOption = None, offload: OffloadOption = None, fsdp_unit: FsdpUnitOption = None,
-    as_json: AsJson = False,
+    uneven: Uneven = False, as_json: AsJson = False,
 ) -> None:
     """Probe the largest per-GPU batch with real training steps, then plan --target exactly.
 

@@ -20,7 +20,7 @@ __all__ = [
     "AsJson", "AccelerateOut", "DeepSpeedOut", "DeviceName", "Dtype", "GpuMemory", "GpuName", "GpusPerNode",
     "GradCheckpointing", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel", "ModelSpec",
     "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SeqLens", "Evaluation", "TrainSeqLen",
-    "SimulatedMemory", "Target", "StrategyOption", "OffloadOption", "FsdpUnitOption",
+    "SimulatedMemory", "Target", "StrategyOption", "Uneven", "OffloadOption", "FsdpUnitOption",
     "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
     "FindTarget", "GpusHere", "NoCache", "NoTracePrior", "PlotOut", "Timeout", "Fragmentation", "Workspace",
     "FLAGS", "parse_seq_lens", "request_from",
@@ -38,6 +38,7 @@ FLAGS = {
     "gpu": "--gpu", "gpu_memory": "--gpu-memory", "fragmentation": "--fragmentation", "workspace": "--workspace",
     "cache": "--no-cache", "trace_prior": "--no-trace-prior", "timeout": "--timeout", "deepspeed": "--deepspeed",
     "accelerate": "--accelerate", "hf": "--hf", "plot": "--plot", "keep_auto": "--keep-auto", "script": "--script",
+    "uneven": "--uneven",
     # a setup that `check` and `verify-ga` read, and their own options
     "micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "tolerance": "--tolerance", "seed": "--seed",
 }
@@ -89,7 +90,7 @@ GradCheckpointing = Annotated[bool, typer.Option(
 )]
 
 Target = Annotated[int, typer.Option("--target", min=1, rich_help_panel=_PLAN, help="Global batch per optimizer step.")]
-GpusPerNode = Annotated[int, typer.Option(
+GpusPerNode = Annotated[int | None, typer.Option(
     "--gpus", min=1, rich_help_panel=_PLAN, help="GPUs per node (not the total: world size = --gpus × --nodes).",
 )]
 Nodes = Annotated[int, typer.Option("--nodes", min=1, rich_help_panel=_PLAN, help="Number of nodes.")]
@@ -116,7 +117,16 @@ SimulatedMemory = Annotated[str | None, typer.Option(
     "--memory", help="Simulated device memory for --device cpu, e.g. 2GiB; under a launcher one per rank, e.g. 60MiB,40MiB.",
 )]
 GpuName = Annotated[str | None, typer.Option(
-    "--gpu", show_default="a100-80gb", help="A GPU from `autobatch gpus` to estimate for.",
+    "--gpu", show_default="a100-80gb",
+    help="A GPU from `autobatch gpus` to estimate for, or a mixed job's cards with their counts in rank order: "
+         "a100-80gb:4,a100-40gb:4 (the uniform plan takes the smallest card's batch; --uneven plans each).",
+)]
+Uneven = Annotated[bool, typer.Option(
+    "--uneven", rich_help_panel=_PLAN,
+    help="Mixed GPUs: plan each rank its own micro batch × accumulation, Σ = --target exactly, balanced by each "
+         "rank's step time (DDP: accumulation per rank; FSDP/ZeRO: one accumulation). find: every rank of a "
+         "launcher probes its own max; estimate: per card of a mixed --gpu list. Config files keep the uniform "
+         "plan; the plan per rank is printed and in --json (per_rank).",
 )]
 GpuMemory = Annotated[str | None, typer.Option(
     "--gpu-memory", help="Estimate for a GPU not in `autobatch gpus` by its total memory, e.g. 40GiB (instead of --gpu).",

@@ -33,6 +33,7 @@ def print_report(report: Any, *, as_json: bool) -> None:
         _print_estimate(report)
     else:
         _print_probe(report)
+    _print_uneven(report)
     print_written(report.written)
     for line in report.changes:
         typer.echo(f"updated {line}")
@@ -140,7 +141,17 @@ def _print_estimate(report: Any) -> None:
                        "probe on the GPU itself for exact figures")
         typer.echo(str(finding.probe))
     if report.plan is not None:
-        print_plan(report.plan, label="plan (estimated): ", **_launch(report))
+        label = "uniform plan (estimated): " if report.uneven is not None else "plan (estimated): "
+        print_plan(report.plan, label=label, **_launch(report))
+
+
+def _print_uneven(report: Any) -> None:
+    """The cards of a mixed list, and the plan per rank with its arithmetic."""
+    for card in report.cards:
+        typer.echo(f"{card['count']} × {card['gpu']}: max batch {card['max_batch']}, safe {card['safe_batch']} "
+                   f"(estimated; peak {card['peak_tflops']} TFLOPS, the speed its ranks are balanced by)")
+    if report.uneven is not None:
+        typer.echo(report.uneven.describe())
 
 
 def _print_probe(report: Any) -> None:
@@ -155,6 +166,9 @@ def _print_probe(report: Any) -> None:
         out.print(strategy_table([finding]))
     out.print(trial_table(finding))
     out.print(str(finding.probe), highlight=False)
+    if report.plan is None:  # a plan per rank only: no uniform plan reaches the target
+        out.print(f"uniform plan: none reaches {report.request.target} on these ranks", highlight=False)
+        return
     out.print("plan: " + report.plan.describe(), highlight=False)
     for line in plan_lines(report.plan, **_launch(report)):
         out.print(line, highlight=False, markup=False)

@@ -20,7 +20,8 @@ from typing import Any
 from ..errors import AutobatchError
 from ..units import format_bytes, parse_bytes
 
-__all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "DEFAULT_CONTEXT_BYTES", "lookup_gpu", "custom_gpu", "resolve_gpu"]
+__all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "DEFAULT_CONTEXT_BYTES", "PEAK_TFLOPS", "lookup_gpu", "custom_gpu",
+           "resolve_gpu", "gpu_mix"]
 
 _MIB = 1 << 20
 _GIB = 1 << 30
@@ -91,6 +92,40 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("mi300x", _gib(192.0), 500 * _MIB, "amd", "CDNA3 192 GB"),
     )
 }
+
+
+# Peak dense tensor-core TFLOPS in the 16-bit format each card trains in (bf16; fp16 on V100 and T4,
+# which have no bf16), from the vendors' datasheets and architecture whitepapers (MI250: one GCD,
+# half the card). Only their ratios are used: to split samples between mixed GPUs by speed in an
+# estimate (``estimate --gpu a100-80gb:4,v100-32gb:4 --uneven``), where nothing can be timed.
+PEAK_TFLOPS: dict[str, float] = {
+    "v100-16gb": 125.0, "v100-32gb": 125.0, "t4": 65.0, "a10g": 125.0, "l4": 121.0, "rtx-3090": 71.0,
+    "rtx-4090": 165.2, "a100-40gb": 312.0, "a100-80gb": 312.0, "h100-80gb": 989.0, "h200": 989.0,
+    "mi250": 181.0, "mi300x": 1307.0,
+}
+
+
+def gpu_mix(gpu: str | None) -> tuple[tuple[GpuSpec, int], ...] | None:
+    """The cards of a mixed job, ``"a100-80gb:4,a100-40gb:4"``, in rank order; ``None`` for one plain name.
+
+    Raises:
+        AutobatchError: a part that is not ``NAME`` or ``NAME:COUNT`` with a positive count.
+
+    Example:
+        >>> [(spec.name, n) for spec, n in gpu_mix("a100-80gb:4, v100:2")]
+        [('a100-80gb', 4), ('v100-16gb', 2)]
+    """
+    if not isinstance(gpu, str) or ("," not in gpu and ":" not in gpu):
+        return None
+    mix = []
+    for part in gpu.split(","):
+        name, _, count = part.strip().partition(":")
+        count = count.strip() or "1"
+        if not count.isdigit() or int(count) < 1:
+            raise AutobatchError(f"gpu must list NAME:COUNT parts (a100-80gb:4,a100-40gb:4), but got {part.strip()!r} "
+                                 f"in {gpu!r}; give each card's count as a positive integer")
+        mix.append((lookup_gpu(name.strip()), int(count)))
+    return tuple(mix)
 
 
 def _normalise(name: str) -> str:

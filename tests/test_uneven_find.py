@@ -212,3 +212,48 @@ def test_estimate_a_mixed_cluster_plans_each_card(tmp_path) -> None:
                                      "--target", "1000"])
     assert plain.exit_code == 0 and "uneven plan" not in plain.output  # the uniform plan stays the default
     assert "2 × v100-16gb: max batch" in plain.output
+
+
+def test_on_emulated_gpus_each_rank_is_timed_and_planned(tmp_path) -> None:
+    # Two torchrun ranks, each on its own emulated GPU (64 and 40 MiB) and the real CUDA path: the
+    # step times of each rank's trials make its line, and the plan per rank carries them.
+    root = Path(__file__).resolve().parents[1]
+    from tests.test_launchers import LAUNCHER_VARIABLES, _free_port
+
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "OMPI_"))}
+    base["PYTHONPATH"] = os.pathsep.join([str(root), base.get("PYTHONPATH", "")])
+    port = str(_free_port())
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.launched_rank", str(tmp_path), "2", "uneven"], cwd=root,
+                              env={**base, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    for process in ranks:
+        text, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, text[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[0]["per_rank"] == seen[1]["per_rank"]
+    assert seen[0]["machine_gpus_used"] == [0] and seen[1]["machine_gpus_used"] == [1]
+    zero, one = seen[0]["per_rank"]
+    assert zero["max_batch"] > one["max_batch"] and zero["safe_batch"] > one["safe_batch"]
+    assert zero["micro_batch"] * zero["grad_accum"] + one["micro_batch"] * one["grad_accum"] == 1000
+    assert zero["seconds_per_sample"] > 0 and one["seconds_per_sample"] > 0  # timed on the CUDA path
+
+
+def test_the_guides_table_is_the_one_the_benchmark_wrote() -> None:
+    root = Path(__file__).resolve().parents[1]
+    bench = [line for line in (root / "docs" / "benchmarks" / "uneven.md").read_text().splitlines()
+             if line.startswith("|")]
+    guide = (root / "docs" / "uneven.md").read_text().split("<!-- uneven-table")[1].split("<!-- /uneven-table -->")[0]
+    assert [line for line in guide.splitlines() if line.startswith("|")] == bench and len(bench) >= 6
+
+
+def test_the_benchmark_writes_its_table(tmp_path) -> None:
+    from benchmarks.uneven import main
+
+    [result] = main(["--model", "tiny-gpt2", "--seq-len", "64", "--dtype", "fp32", "--mix", "a100-80gb:1,v100-16gb:1",
+                     "--target", "1000", "--out", str(tmp_path)])
+    text = (tmp_path / "uneven.md").read_text()
+    assert "| a100-80gb:1,v100-16gb:1 | a100-80gb " in text
+    cards = result["cards"]
+    assert sum(c["micro_batch"] * c["grad_accum"] for c in cards) == 1000
+    assert result["uneven_time"] < result["uniform_time"]  # 312 against 125 TFLOPS: the split pays

@@ -54,10 +54,13 @@ class _Rank:
         return self.lo <= m <= self.hi and m % self.multiple == 0
 
     def split(self, n: int) -> tuple[int, int] | None:
-        """The fewest micro-steps ``k`` (and ``m = n / k``) that carry ``n`` samples here."""
+        """The fewest micro-steps ``k`` (and ``m = n / k``) that carry ``n`` samples here, at most twice
+        the fewest any split needs: a share that only tiny micro batches divide (a prime) is not one
+        this rank takes, since a GPU runs tiny batches at a fraction of its speed."""
         if self.hi < self.lo or n < self.lo:
             return None
-        for k in range(max(1, -(-n // self.hi)), n // self.lo + 1):
+        fewest = max(1, -(-n // self.hi))
+        for k in range(fewest, min(2 * fewest, n // self.lo) + 1):
             if n % k == 0 and self.fits(n // k):
                 return n // k, k
         return None

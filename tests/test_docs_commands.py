@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from autobatch.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ["README.md", "docs/usage.md", "docs/field-reports.md", "docs/lengths.md", "docs/sharding.md"]
+DOCUMENTS = ["README.md", "docs/usage.md", "docs/field-reports.md", "docs/lengths.md", "docs/sharding.md",
+             "docs/uneven.md"]
 _BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 _EXIT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
 

@@ -46,12 +46,19 @@ EXPECTED: dict[str, tuple[tuple[str, ...], list[str]]] = {
     "guard_loop": ((), ["split steps: [4, 14] of 20, micro-batches per batch: [4, 4]", "same weights"]),
     "lightning_fit": (("lightning",), ["# 128 batch size * 4 accumulate_grad_batches * 1 devices * 1 nodes = 512 samples per step",
                                     "done: 3 optimizer steps"]),
+    "uneven_plain": ((), ["uneven plan: ", "= 100 per step", "PASS: max |Δweight|"]),
+    "uneven_accelerate": (("accelerate",), ["uneven plan: ", "= 100 per step", "PASS: max |Δweight|"]),
+    "uneven_lightning": (("lightning",), ["uneven plan: ", "= 100 per step", "PASS: max |Δweight|"]),
 }
-RUN_HEADER = re.compile(r"^\W*Run\b[^\n]*:[ \t]*\n[#\s]*(python recipes/(\w+)\.py[^\n]*)", re.MULTILINE)
+# A recipe runs as `python recipes/NAME.py …`, or under the launcher it shows (torchrun, accelerate launch).
+RUN_HEADER = re.compile(r"^\W*Run\b[^\n]*:[ \t]*\n[#\s]*((?:python|torchrun|accelerate launch)\b[^\n]*?"
+                        r"recipes/(\w+)\.py[^\n]*)", re.MULTILINE)
+LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run"], "accelerate": ["-m", "accelerate.commands.launch"]}
 
 
 def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES.glob("*.py"))
+    """Every recipe; a module whose name starts with ``_`` is shared by recipes, not one."""
+    return sorted(p.stem for p in RECIPES.glob("*.py") if not p.stem.startswith("_"))
 
 
 def header(path: Path) -> str:
@@ -65,7 +72,16 @@ def run_command(name: str) -> str:
     for command, stem in RUN_HEADER.findall(header(RECIPES / f"{name}.py")):
         if stem == name:
             return command.strip()
-    raise AssertionError(f"recipes/{name}.py must open with a 'Run …:' line followed by 'python recipes/{name}.py …'")
+    raise AssertionError(f"recipes/{name}.py must open with a 'Run …:' line followed by 'python recipes/{name}.py …' "
+                         "(or the command under its launcher)")
+
+
+def argv(name: str) -> list[str]:
+    """The header's command with this interpreter: ``python`` itself, or the launcher's module."""
+    args = shlex.split(run_command(name))
+    head = [sys.executable] if args[0] == "python" else [sys.executable, *LAUNCHERS[args[0]]]
+    args = args[1:] if args[0] in ("python", "torchrun") else args[2:]  # "accelerate launch" is two words
+    return [*head, *(str(RECIPES / f"{name}.py") if a == f"recipes/{name}.py" else a for a in args)]
 
 
 def test_every_recipe_is_listed() -> None:
@@ -76,12 +92,14 @@ def test_every_recipe_is_listed() -> None:
 def test_recipe_opens_with_how_to_run_it(name: str) -> None:
     text = (RECIPES / f"{name}.py").read_text()
     assert text.startswith(('"""', "#")), f"recipes/{name}.py must open with a docstring or comment header"
-    assert run_command(name).startswith(f"python recipes/{name}.py")
+    command = run_command(name)
+    assert command.startswith(f"python recipes/{name}.py") or (
+        command.startswith(("torchrun ", "accelerate launch ")) and f" recipes/{name}.py" in command)
 
 
 def test_readme_lists_each_recipes_run_command() -> None:
     readme = (RECIPES / "README.md").read_text()
-    listed = re.findall(r"`(python recipes/\S+\.py[^`]*)`", readme)
+    listed = re.findall(r"`((?:python|torchrun|accelerate launch)\b[^`]*?recipes/\S+\.py[^`]*)`", readme)
     assert sorted(listed) == sorted(run_command(name) for name in recipe_names())
 
 
@@ -95,10 +113,12 @@ def test_integrations_doc_shows_the_recipes_run_commands() -> None:
 
 def _run(name: str, workdir: Path) -> tuple[int, str]:
     """Run the recipe's header command in ``workdir``: its exit code and output (stdout and stderr)."""
-    args = shlex.split(run_command(name))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
+           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    for launched in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(launched, None)
     # Own session, so that a hang kills the recipe's children too, and only them.
-    proc = subprocess.Popen([sys.executable, str(RECIPES / f"{name}.py"), *args[2:]], cwd=workdir, env=env,
+    proc = subprocess.Popen(argv(name), cwd=workdir, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -128,7 +148,6 @@ def test_recipe_runs_as_its_header_says(name: str, recipe_runs: dict[str, Future
     needs, sentinels = EXPECTED[name]
     for module in needs:
         need(module)
-    assert shlex.split(run_command(name))[:2] == ["python", f"recipes/{name}.py"]
     code, out = recipe_runs[name].result()
     assert code == 0, out
     for sentinel in sentinels:

@@ -133,7 +133,8 @@ def _torchrun(args: list[str], cwd: Path, nprocs: int = 2) -> subprocess.Complet
 
 def test_find_uneven_under_torchrun_prints_the_plan_per_rank_and_files_keep_the_uniform_one(tmp_path) -> None:
     done = _torchrun(["find", "--model", "tiny-mlp", "--target", "20000", "--device", "cpu", "--memory",
-                      "40MiB,20MiB", "--uneven", "--json", "--deepspeed", "ds.json"], tmp_path)
+                      "40MiB,20MiB", "--uneven", "--json", "--deepspeed", "ds.json", "--hf", "args.json",
+                      "--accelerate", "accelerate.yaml"], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(done.stdout)
     per_rank = data["per_rank"]
@@ -144,6 +145,11 @@ def test_find_uneven_under_torchrun_prints_the_plan_per_rank_and_files_keep_the_
     written = json.loads((tmp_path / "ds.json").read_text())
     assert written["train_micro_batch_size_per_gpu"] == data["plan"]["micro_batch"]  # the uniform plan
     assert written["gradient_accumulation_steps"] == data["plan"]["grad_accum"]
+    hf = json.loads((tmp_path / "args.json").read_text())  # every file written: the uniform plan
+    assert (hf["per_device_train_batch_size"], hf["gradient_accumulation_steps"]) == (
+        data["plan"]["micro_batch"], data["plan"]["grad_accum"])
+    accelerate = (tmp_path / "accelerate.yaml").read_text()
+    assert "num_processes: 2" in accelerate and f"# written by autobatch: {data['plan']['arithmetic']}" in accelerate
     assert "the files written carry the uniform plan" in done.stderr
     assert any("carry the uniform plan" in n for n in data["notes"])
 
@@ -238,3 +244,27 @@ def test_the_benchmark_writes_its_table(tmp_path) -> None:
     assert a100["micro_batch"] * a100["grad_accum"] / (v100["micro_batch"] * v100["grad_accum"]) == pytest.approx(
         312 / 125, rel=0.02)
     assert result["uneven_time"] < result["uniform_time"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3", None])
+def test_sharded_strategies_take_one_accumulation_and_ddp_one_per_rank(name) -> None:
+    from autobatch.answering.mixed import shares_one_accum
+    from autobatch.strategy import parse_strategy
+
+    strategy = None if name is None else parse_strategy(name)
+    assert shares_one_accum(strategy) is (name not in ("ddp", None))
+
+
+@slow("two sharded traces on fake tensors (~12 s)")
+def test_estimate_a_mixed_cluster_under_fsdp2_takes_one_accumulation() -> None:
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    result = CliRunner().invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu", "a100-80gb:1,v100-16gb:1",
+                                      "--strategy", "fsdp2", "--target", "192", "--uneven", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["uneven"]["same_accum"] and len({r["grad_accum"] for r in data["per_rank"]}) == 1
+    assert sum(r["samples"] for r in data["per_rank"]) == 192
+    assert data["per_rank"][0]["micro_batch"] > data["per_rank"][1]["micro_batch"]

@@ -16,12 +16,14 @@ from .planning.plan import Plan
 from .planning.solver import solve
 from .probing.backends import MemoryBackend
 from .probing.probe import DEFAULT_HEADROOM, ProbeResult, for_data_parallel, make_backend
+from .probing.search import NoTrace
 from .probing.trial import Trial
 from .probing.workload import Workload
 from .strategy import Strategy, parse_strategy
 
 __all__ = ["Finding", "booked_as", "data_parallel_ranks", "trace_prior_for", "find_plan", "plan_from_probe", "plan_summary",
-           "probe_worker", "probed_strategy", "local_gpu_count", "sharded_trace_prior"]
+           "probe_worker", "probed_strategy", "local_gpu_count", "sharded_trace_prior", "launched_prior",
+           "TURNED_OFF"]
 
 log = logging.getLogger("autobatch.estimating.prior")  # the trace prior's one logger, wherever it is built
 
@@ -52,6 +54,7 @@ class Finding:
             "plan": None if self.plan is None else self.plan.to_dict(),
             "probe": self.probe.to_dict(),
             "trials": [t.to_dict() for t in self.probe.trials],
+            "trace_prior": self.probe.trace_record,  # whether the trace led the search, and why not
             "estimated": False,
             "cached": self.cached,
             **({"strategy": self.strategy.to_dict()} if self.strategy is not None else {}),
@@ -155,13 +158,13 @@ def find_plan(
 
         world = data_parallel_ranks(gpus_per_node, nodes, model_parallel)
         prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
-                                    deepspeed_config=deepspeed_config) if use_trace_prior else None
+                                    deepspeed_config=deepspeed_config) if use_trace_prior else NoTrace(TURNED_OFF)
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
                                headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial, prior=prior)
         cached = False
     else:
-        def make_prior() -> Callable[[int], float] | None:
-            return trace_prior_for(workload, backend, min_batch=min_micro) if use_trace_prior else None
+        def make_prior() -> Callable[[int], float] | NoTrace | None:
+            return trace_prior_for(workload, backend, min_batch=min_micro) if use_trace_prior else NoTrace(TURNED_OFF)
 
         result, cached = cached_probe(workload, backend, max_batch=max_batch, min_batch=min_micro,
                                       headroom=headroom, on_trial=on_trial, use_cache=use_cache, root=cache_root,
@@ -208,6 +211,22 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
                                              deepspeed_config=deepspeed_config).trial)
 
     return guarded_prior(replayed_prior(trace, first, allocator=allocator, name=workload.name), workload.name)
+
+
+# Why the trials alone searched, as the result records it (extra["trace_prior"]["reason"]).
+TURNED_OFF = "the trace was turned off (--no-trace-prior, trace_prior=False)"
+SHARDED_UNDER_A_LAUNCHER = ("a sharded probe under a launcher searches from its trials alone (the sharded step is "
+                            "traced on a fake process group, which the job's own group leaves no room for)")
+
+
+def launched_prior(workload: Workload, backend: MemoryBackend, use_trace_prior: bool, strategy: Any,
+                   min_batch: int | None) -> GuardedPrior | NoTrace | None:
+    """The prior of one rank's lockstep probe: the trace of its unsharded step, or why there is none."""
+    if not use_trace_prior:
+        return NoTrace(TURNED_OFF)
+    if strategy is not None:
+        return NoTrace(SHARDED_UNDER_A_LAUNCHER)
+    return trace_prior_for(workload, backend, min_batch=min_batch)
 
 
 def data_parallel_ranks(gpus_per_node: int, nodes: int = 1, model_parallel: int = 1) -> int:
@@ -258,7 +277,7 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
     device = "cpu" if memory is not None else "cuda"  # this rank's GPU (resolve_cuda_device)
     backend = make_backend(device, memory)
     options = dict(options)
-    led = options.pop("use_trace_prior", True) and options.get("strategy") is None
-    prior = trace_prior_for(workload, backend, min_batch=options.get("min_batch")) if led else None
+    prior = launched_prior(workload, backend, options.pop("use_trace_prior", True), options.get("strategy"),
+                           options.get("min_batch"))
     result = probe_distributed(workload, backend, prior=prior, **options)
     return result.to_probe_result(), str(result)

@@ -57,7 +57,8 @@ def test_round_trip_keeps_extra_fields(root):
     result, _ = cached_probe(_work(), SimulatedBackend(BUDGET), root=root)
     data = {**result.to_dict(), "note": "kept"}
     rebuilt = probe_result_from_dict(json.loads(json.dumps(data)))
-    assert rebuilt == result and rebuilt.extra == {"note": "kept", "probed_at": result.extra["probed_at"]}
+    assert rebuilt == result and rebuilt.extra == {"note": "kept", "probed_at": result.extra["probed_at"],
+                                                   "trace_prior": result.trace_record}
 
 
 # --- invalidation: every field of the fingerprint changes the digest ---------------------------

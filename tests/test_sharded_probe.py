@@ -17,7 +17,7 @@ from autobatch.distributed.sharding import fsdp_units
 from autobatch.distributed.simulated_world import probe_sharded
 from autobatch.distributed.zero import auto_bucket_sizes, zero_config
 from autobatch.errors import AutobatchError, NoBatchFitsError
-from autobatch.pipeline import find_plan
+from autobatch.pipeline import TURNED_OFF, find_plan
 from autobatch.probing.backends import SimulatedBackend
 from autobatch.strategy import Strategy
 from tests import sharded_jobs
@@ -104,11 +104,13 @@ def test_the_sharded_step_traced_on_fake_tensors_leads_the_search() -> None:
     def trials(**options):
         finding = find_plan(sharded_jobs.workload(), backend=SimulatedBackend("600KiB"), strategy="fsdp2",
                             gpus_per_node=4, headroom=0, **options)
-        led = finding.probe.extra.get("trace_prior", {}).get("traced_batches")  # and the result says so
+        said = finding.probe.trace_record  # and the result says so, or why not
+        led = said["traced_batches"] if said["led"] else said["reason"]
         return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials], led
 
     assert trials() == (18, [(1, True), (18, True), (19, False)], [2, 4, 16, 64])
-    assert trials(use_trace_prior=False) == (18, [(1, True), (3, True), (13, True), (17, True), (19, False), (18, True)], None)
+    assert trials(use_trace_prior=False) == (18, [(1, True), (3, True), (13, True), (17, True), (19, False), (18, True)],
+                                             TURNED_OFF)
 
 
 def test_fsdp_units_are_the_transformer_blocks() -> None:

@@ -17,8 +17,8 @@ import autobatch
 from autobatch import SimulatedBackend, Workload
 from autobatch.cli import app
 from autobatch.estimating.prior import trace_prior, try_trace_prior
-from autobatch.pipeline import find_plan
-from autobatch.probing.search import search_max
+from autobatch.pipeline import TURNED_OFF, find_plan
+from autobatch.probing.search import NoTrace, search_max
 from autobatch.probing.trial import Trial
 from tests.tiny import cnn_workload, mlp, mlp_workload
 
@@ -46,7 +46,10 @@ def test_find_with_the_trace_takes_fewer_trials_and_gives_the_same_answer():
     assert said["traced_batches"] == [2, 4, 16, 64] and said["failure"] is None and said["seconds"] > 0
     assert "led by the fake-tensor trace (traced at batches 2, 4, 16, 64 in " in str(with_prior.probe)
     assert with_prior.probe.trace_led and not without.probe.trace_led
-    assert "trace_prior" not in without.probe.extra and "trace" not in str(without.probe)
+    # without it, the record says so and why, never by its absence
+    assert without.probe.extra["trace_prior"]["led"] is False
+    assert without.probe.extra["trace_prior"]["reason"] == TURNED_OFF
+    assert f"the trials alone searched: {TURNED_OFF}" in str(without.probe)
 
 
 def test_the_trace_leaves_the_model_the_rng_and_the_default_dtype_as_they_were():
@@ -123,12 +126,21 @@ def test_a_factory_whose_modules_copy_their_layers_is_traced():
     assert 0 < prior(1) < prior(16)
 
 
-def test_only_a_prior_that_reports_is_recorded_and_one_never_asked_adds_nothing():
+def test_every_search_the_trace_did_not_lead_says_why():
+    def why(result):
+        said = result.to_dict()["trace_prior"]
+        assert said["led"] is False and result.trace_line() == f"the trials alone searched: {said['reason']}"
+        return said["reason"]
+
     curve = lambda b: 100_000 + 4_000 * b
-    assert "trace_prior" not in autobatch.probe(mlp_workload(), SimulatedBackend("4MiB"), prior=curve).extra
+    assert why(autobatch.probe(mlp_workload(), SimulatedBackend("4MiB"), prior=curve)) == \
+        "a prior of the caller's own led the search, not the trace"
     unasked = try_trace_prior(mlp_workload())
     result = autobatch.probe(mlp_workload(), SimulatedBackend("4MiB"), min_batch=3, max_batch=3, prior=unasked)
-    assert [t.batch for t in result.trials] == [3] and "trace_prior" not in result.extra  # a bracket of one
+    assert [t.batch for t in result.trials] == [3]  # a bracket of one
+    assert why(result) == "the search ended before it asked the trace"
+    assert why(autobatch.probe(mlp_workload(), SimulatedBackend("4MiB"))) == "no prior was given to the search"
+    assert why(autobatch.probe(mlp_workload(), SimulatedBackend("4MiB"), prior=NoTrace("mine"))) == "mine"
 
 
 def test_the_search_drops_a_prior_that_answers_nan_and_stays_exact():
@@ -149,7 +161,8 @@ def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path):
     assert [t["batch"] for t in led["trials"]] == [2, 49, 50]
     assert [t["batch"] for t in alone["trials"]] == [2, 9, 33, 49, 50]
     assert led["max_batch"] == alone["max_batch"] == 49
-    assert led["probe"]["trace_prior"]["traced_batches"] == [2, 4, 16, 64] and "trace_prior" not in alone["probe"]
+    assert led["probe"]["trace_prior"]["traced_batches"] == [2, 4, 16, 64] and led["probe"]["trace_prior"]["led"]
+    assert alone["probe"]["trace_prior"]["led"] is False and alone["probe"]["trace_prior"]["reason"] == TURNED_OFF
 
 
 def test_a_cached_answer_says_how_its_search_went_and_how_to_search_again(tmp_path, monkeypatch):

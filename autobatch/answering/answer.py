@@ -14,7 +14,7 @@ import torch
 
 from ..configs import write_plan_configs
 from ..errors import AutobatchError
-from ..pipeline import Finding, find_plan, local_gpu_count, plan_from_probe, probe_worker, probed_strategy, trace_prior_for
+from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
 from ..planning.plan import Plan
 from ..planning.solver import solve
 from ..probing.probe import for_data_parallel, make_backend
@@ -193,8 +193,8 @@ def _launched(request: Request) -> Report:
         sharded = {} if strategies is None else {"strategy": strategies[0],
                                                  "deepspeed_config": user_deepspeed_config(request.deepspeed)}
         # The trace leads an unsharded search on every rank, as without a launcher.
-        prior = (trace_prior_for(workload, backend, min_batch=request.min_micro)
-                 if request.trace_prior and strategies is None else None)
+        prior = launched_prior(workload, backend, request.trace_prior, strategies and strategies[0],
+                               request.min_micro)
         result = probe_distributed(workload, backend, max_batch=request.max_micro, min_batch=request.min_micro,
                                    headroom=request.headroom, timeout_s=request.timeout, prior=prior,
                                    each_rank=request.uneven, **sharded)

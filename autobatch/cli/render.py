@@ -123,7 +123,7 @@ def _print_rows(report: Any) -> None:
         if not hasattr(row, "probe"):
             out.print(f"{row.strategy.label}: {row.error}", highlight=False, markup=False)
             continue
-        led = " (led by the fake-tensor trace)" if row.probe.trace_led else ""
+        led = " (led by the fake-tensor trace)" if row.probe.trace_led else f" ({row.probe.trace_line()})"
         out.print(f"{row.strategy.label}: max batch {row.probe.max_batch} per rank (limited by {row.probe.limit_text()}), "
                   f"trials {row.probe.trials_text()}{led}; plan: {row.plan.describe()}", highlight=False, markup=False)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..errors import AutobatchError, NoBatchFitsError
 from ..probing.backends import MemoryBackend
+from ..probing.search import NoTrace
 from ..probing.trial import Trial
 from .fence import STOPPED_BY_PEER, is_stopped_by_peer
 from .result import RankFailedError
@@ -173,6 +174,8 @@ def agreed_prior(comm: Comm, prior: Callable[[int], float] | None) -> Callable[[
     same; cached, so a batch asked again costs no collective. A prior that raises reads NaN,
     which the search takes as "no prior" from then on.
     """
+    if isinstance(prior, NoTrace):
+        prior = None  # no prior, for a reason the result records
     flag = torch.tensor([0.0 if prior is None else 1.0], device=comm.device)
     everyone = collective(comm, "agreeing on the trace prior",
                           lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), lambda: flag.item())

@@ -117,8 +117,7 @@ class DistributedProbeResult(BatchResult):
             f"of the smallest capacity {format_bytes(self.capacity_bytes)})",
             "rank  host          device                          total      free       others     fits  fails  own max",
         ]
-        if (trace := self.trace_line()) is not None:  # this rank's trace: every rank traced the same batches
-            lines.insert(1, trace)
+        lines.insert(1, self.trace_line())  # this rank's trace: every rank traced the same batches
         for r in self.ranks:
             exact = r.exact_max if self.own_limits is None else self.own_limits[r.rank].max_batch
             own = f"{exact} exact" if exact is not None else (

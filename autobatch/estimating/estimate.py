@@ -32,11 +32,14 @@ import torch
 from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for, require_materialized
 from ..probing.preserve import enable_checkpointing
-from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
+from ..probing.probe import DEFAULT_HEADROOM, not_led, resolve_headroom, summarise
 from ..probing.result import BatchResult
 from ..probing.search import search_max
 from ..probing.trial import Trial, run_trial
 from ..probing.workload import Workload, resolve_dtype
+
+# An estimate's extra["trace_prior"]["reason"]: its trials are traces, there are no real ones to lead.
+IS_THE_TRACE = "an estimate's trials are the trace itself"
 from ..units import format_bytes
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
@@ -282,5 +285,5 @@ def estimate(
         seconds=time.perf_counter() - started,
         workload=workload.name,
         dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
-        extra={"ddp_buckets_bytes": buckets} if buckets else {},
+        extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE)},
     )

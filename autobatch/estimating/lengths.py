@@ -15,12 +15,12 @@ from typing import Any
 from ..errors import AutobatchError
 from ..modelinfo import min_batch_for
 from ..probing.evaluation import run_eval_trial
-from ..probing.probe import MemorySummary
+from ..probing.probe import MemorySummary, not_led
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype
 from ..units import format_bytes
-from .estimate import Estimate, _enable_checkpointing, _on_gpu, fake_model, trace_trial
+from .estimate import IS_THE_TRACE, Estimate, _enable_checkpointing, _on_gpu, fake_model, trace_trial
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads
@@ -90,6 +90,7 @@ class FakeLengthRunner:
             traced=tuple(self.traced.get((mode, seq_len), ())), seconds=time.perf_counter() - self.started,
             workload=self.workload.name,
             dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
+            extra={"trace_prior": not_led(IS_THE_TRACE)},
         )
 
     def close(self) -> Any:

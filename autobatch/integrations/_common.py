@@ -23,7 +23,7 @@ from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import borrowed_model
 from ..probing.probe import DEFAULT_HEADROOM, probe
 from ..probing.result import ProbeResult
-from ..probing.search import search_max
+from ..probing.search import NoTrace, search_max
 from ..probing.trial import Trial, to_device
 from ..probing.workload import Workload, default_loss, resolve_dtype
 
@@ -67,6 +67,9 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+UNTRACED = "a drop-in probes the framework's own training step, which it does not trace"
+
+
 def probe_here(
     workload: Workload,
     backend: MemoryBackend | None = None,
@@ -81,9 +84,11 @@ def probe_here(
     """
     if world()[1] > 1:
         return probe_distributed(
-            workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom, wrap="ddp"
+            workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom, wrap="ddp",
+            prior=NoTrace(UNTRACED),
         ).to_probe_result()
-    return probe(workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom)
+    return probe(workload, backend, max_batch=max_batch, min_batch=min_batch, headroom=headroom,
+                 prior=NoTrace(UNTRACED))
 
 
 def plan_for(result: ProbeResult, target: int, world_size: int, *, use: str = "safe") -> Plan:

@@ -14,10 +14,13 @@ from ..probing.backends import MemoryBackend
 from ..probing.evaluation import run_eval_trial
 from ..probing.heap import frozen_heap
 from ..probing.preserve import borrowed_model
-from ..probing.probe import MemorySummary, training_trial
+from ..probing.probe import MemorySummary, not_led, training_trial
 from ..probing.result import ProbeResult
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
+
+# Why no trace led a length table's searches (its rows' extra["trace_prior"]["reason"]).
+LED_BY_LENGTHS = "a length table's searches are led by the fit of the lengths probed before them"
 from ..probing.workload import Workload
 
 __all__ = ["DeviceLengthRunner"]
@@ -68,6 +71,7 @@ class DeviceLengthRunner:
             headroom_bytes=headroom_bytes, bytes_per_sample=summary.bytes_per_sample,
             fixed_bytes=summary.fixed_bytes, safe_peak_bytes=summary.safe_peak_bytes,
             safe_peak_measured=summary.safe_peak_measured, workload=self.workload.name,
+            extra={"trace_prior": not_led(LED_BY_LENGTHS)},
         )
 
     def close(self) -> Any:

@@ -17,12 +17,12 @@ from .oom import is_oom_error
 from .heap import frozen_heap
 from .preserve import borrowed_model, kept_rng
 from .result import ProbeResult
-from .search import SearchOutcome, fit_line, predict_batch, search_max
+from .search import NoTrace, SearchOutcome, fit_line, predict_batch, search_max
 from .trial import Trial, run_trial
 from .workload import Workload
 
 __all__ = ["probe", "result_from_search", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
-           "weights_error", "for_data_parallel", "training_trial", "prior_report"]
+           "weights_error", "for_data_parallel", "training_trial", "prior_report", "not_led", "NO_PRIOR"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
@@ -73,16 +73,38 @@ def for_data_parallel(result: ProbeResult, data_parallel: int) -> ProbeResult:
     )
 
 
-def prior_report(prior: Callable[[int], float] | None) -> dict[str, Any]:
-    """What a result's ``extra`` records of the prior that led its search: ``{"trace_prior": …}``.
+NO_PRIOR = "no prior was given to the search"
 
-    A prior that can say what it cost (a ``report()`` method, as the traced prior of
-    :func:`autobatch.estimating.prior.try_trace_prior` has: the batches traced, the seconds, a
-    failure) is recorded; no prior, a caller's own curve, or one the search never asked adds nothing.
+
+def prior_report(prior: Callable[[int], float] | NoTrace | None, absent: str = NO_PRIOR) -> dict[str, Any]:
+    """What a result's ``extra`` records of the trace: ``{"trace_prior": {"led", "reason", …}}``, always.
+
+    ``led`` is true where the fake-tensor trace led the search to its end; otherwise ``reason``
+    says why not: a :class:`~autobatch.probing.search.NoTrace`'s reason, the trace's failure, a
+    prior of the caller's own, a search that never asked, or ``absent`` for no prior at all. A
+    prior that can say what it cost (``report()``, as the traced prior of
+    :func:`autobatch.estimating.prior.try_trace_prior` has) adds the batches traced and the seconds.
     """
     report = getattr(prior, "report", None)
     said = report() if callable(report) else None
-    return {"trace_prior": said} if said is not None else {}
+    if said is not None:
+        failure = said.get("failure")
+        return {"trace_prior": {"led": failure is None,
+                                "reason": None if failure is None else f"the trace stopped: {failure}", **said}}
+    if isinstance(prior, NoTrace):
+        reason = prior.reason
+    elif prior is None:
+        reason = absent
+    elif callable(report):
+        reason = "the search ended before it asked the trace"
+    else:
+        reason = "a prior of the caller's own led the search, not the trace"
+    return {"trace_prior": not_led(reason)}
+
+
+def not_led(reason: str) -> dict[str, Any]:
+    """The record of a search the trace did not lead, and why."""
+    return {"led": False, "reason": reason, "traced_batches": [], "seconds": 0.0, "failure": None}
 
 
 def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exception:

@@ -72,24 +72,38 @@ class BatchResult:
             **self._details(),
             "trials": [t.to_dict() for t in self.trials],
             **self.extra,
+            "trace_prior": self.trace_record,
         }
 
     @property
-    def trace_led(self) -> bool:
-        """Whether the fake-tensor trace led the search to its end (``extra["trace_prior"]``, no failure)."""
-        said = self.extra.get("trace_prior")
-        return isinstance(said, dict) and not said.get("failure")
-
-    def trace_line(self) -> str | None:
-        """How the fake-tensor trace led the search (``extra["trace_prior"]``), or ``None`` where none did."""
+    def trace_record(self) -> dict[str, Any]:
+        """Whether the fake-tensor trace led the search and, where not, why: ``extra["trace_prior"]``
+        (``led``, ``reason``, ``traced_batches``, ``seconds``, ``failure``), never missing."""
         said = self.extra.get("trace_prior")
         if not isinstance(said, dict):
-            return None
+            return {"led": False, "reason": "no record of the trace (a result stored before it was recorded)",
+                    "traced_batches": [], "seconds": 0.0, "failure": None}
+        if "led" in said:
+            return said
+        failure = said.get("failure")  # a record stored before "led" was
+        return {"led": failure is None, "reason": None if failure is None else f"the trace stopped: {failure}",
+                **said}
+
+    @property
+    def trace_led(self) -> bool:
+        """Whether the fake-tensor trace led the search to its end (no failure, no other prior)."""
+        return bool(self.trace_record["led"])
+
+    def trace_line(self) -> str:
+        """One line: how the fake-tensor trace led the search, or why it did not."""
+        said = self.trace_record
         traced = ", ".join(str(b) for b in said.get("traced_batches", []))
         cost = f"traced at batches {traced} in {said.get('seconds', 0):.1f} s" if traced else "traced nothing"
-        if not self.trace_led:
+        if said["led"]:
+            return f"led by the fake-tensor trace ({cost}); the answer rests on the trials"
+        if said.get("failure"):
             return f"the trace stopped ({said['failure']}; {cost}): the trials searched on alone"
-        return f"led by the fake-tensor trace ({cost}); the answer rests on the trials"
+        return f"the trials alone searched: {said['reason']}"
 
     def memory_line(self) -> str | None:
         if not self.bytes_per_sample:
@@ -125,8 +139,7 @@ class ProbeResult(BatchResult):
             + self.trials_text(),
             f"safe batch {self.safe_batch} (peak {self._safe_peak_text()}, headroom {format_bytes(self.headroom_bytes)})",
         ]
-        if (trace := self.trace_line()) is not None:
-            lines.insert(2, trace)
+        lines.insert(2, self.trace_line())
         if self.memory_line():
             lines.append(self.memory_line())
         return "\n".join(lines)

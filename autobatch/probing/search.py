@@ -39,7 +39,7 @@ from .memory_curve import (
 )
 from .trial import Trial
 
-__all__ = ["SearchOutcome", "search_max", "predict_batch", "chord_batch", "bends_up", "fit_line", "HARD_MAX_BATCH"]
+__all__ = ["SearchOutcome", "NoTrace", "search_max", "predict_batch", "chord_batch", "bends_up", "fit_line", "HARD_MAX_BATCH"]
 
 HARD_MAX_BATCH = 1 << 20  # a cap even when none is given: memory that never grows is a bug to report
 _REACH = 1.5             # without a prior: how far past the curvature bound one trial may go
@@ -54,6 +54,22 @@ class SearchOutcome:
     max_batch: int            # largest batch that fits; 0 when not even the smallest does
     limited_by: str           # "memory", or "max_batch" when the cap stopped the search
     trials: tuple[Trial, ...]
+
+
+class NoTrace:
+    """No prior, and why: passed where a prior goes, the search runs from its trials alone and the
+    result says why the trace did not lead (``extra["trace_prior"]["reason"]``).
+
+    Example:
+        >>> NoTrace("turned off").reason
+        'turned off'
+    """
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"NoTrace({self.reason!r})"
 
 
 class _NoPrior(Exception):
@@ -316,7 +332,8 @@ def search_max(
         prior: a predicted peak in bytes at any batch (nondecreasing), e.g. from the fake-tensor
             trace (:func:`autobatch.trace_prior`); calibrated to the trials as they come, so a
             constant or proportional error in it costs nothing. A prior that answers NaN (its
-            trace failed) is dropped, and the search goes on from its trials alone.
+            trace failed) is dropped, and the search goes on from its trials alone; a
+            :class:`NoTrace` is none, with the reason the result records.
         fails_at: a batch already known to fail (one that just ran out of memory): the search
             stays below it and, with nothing else to go on (pass/fail trials), bisects toward it
             instead of doubling up to it.
@@ -333,7 +350,7 @@ def search_max(
         [1, 128, 129]
     """
     cap = HARD_MAX_BATCH if max_batch is None else max_batch
-    search = _Search(run, capacity, min_batch, cap, prior)
+    search = _Search(run, capacity, min_batch, cap, None if isinstance(prior, NoTrace) else prior)
     if fails_at is not None:
         search.hi = max(min_batch, fails_at)
     return search.search([t for t in known if min_batch <= t.batch <= cap])

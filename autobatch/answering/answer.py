@@ -18,6 +18,7 @@ from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan
 from ..planning.plan import Plan
 from ..planning.solver import solve
 from ..probing.probe import for_data_parallel, make_backend
+from ..probing.progress import listening
 from ..probing.workload import default_loss
 from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus, uneven_plan
 from .report import Report
@@ -30,7 +31,7 @@ Note = Callable[[str], None]
 
 
 def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, on_note: Note | None = None,
-           written: dict[str, str] | None = None) -> Report:
+           written: dict[str, str] | None = None, on_progress: Callable[[str], None] | None = None) -> Report:
     """Answer ``request``: probe or estimate its rows, solve the plan, write the configs it names.
 
     Args:
@@ -40,6 +41,9 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
             that runs real steps), before the work it announces; the notes are in the report too.
         written: filled with ``{kind: path}`` as each file is written, so that a caller
             interrupted half-way knows what is already on disk.
+        on_progress: called while a trace or a training step runs past two seconds, with what it
+            is, its batch and the seconds so far (``"tracing gpt2 at batch 64 on fake tensors: 5 s"``),
+            every second, from a thread beside the work (:mod:`autobatch.probing.progress`).
 
     Example:
         >>> import autobatch, torch
@@ -59,6 +63,12 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
         if on_note is not None:
             on_note(text)
 
+    with listening(on_progress):
+        return _answer(request, on_trial, note, notes, written)
+
+
+def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note, notes: list[str],
+            written: dict[str, str] | None) -> Report:
     if request.mode == "solve":
         fixed = request.micro_batch
         plan = solve(request.target, request.gpus_here(), request.nodes, fixed or request.max_micro,

@@ -75,21 +75,44 @@ def find_command(
 
 
 def answer_and_print(request: object, *, as_json: bool) -> None:
-    """Answer ``request`` with notes on stderr and a spinner while one process probes, then print the report."""
+    """Answer ``request`` with notes and progress on stderr (a spinner on a terminal, a line every few
+    seconds in a log; only rank 0 under a launcher), then print the report on stdout."""
     import typer
 
-    from .. import answer
+    from .. import answer, rank_env
     from .output import console
 
     def note(text: str) -> None:
         typer.echo(f"note: {text}", err=True)
 
-    if request.mode != "probe" or request.launched:
-        print_report(answer(request, on_note=note, written=outputs()), as_json=as_json)
+    err = console(stderr=True)
+    quiet = request.mode == "probe" and request.launched and not rank_env().is_main
+    if not err.is_terminal or quiet:
+        report = answer(request, on_note=note, written=outputs(), on_progress=None if quiet else _lines(typer))
+        print_report(report, as_json=as_json)
         return
-    with console(stderr=True).status("probing…") as status:
-        def progress(trial: object) -> None:
+    with err.status("probing…" if request.mode == "probe" else "estimating…") as status:
+        def trial_done(trial: object) -> None:
             status.update(f"probing… batch {trial.batch} {'fits' if trial.fits else 'is out of memory'}")
 
-        report = answer(request, on_trial=progress, on_note=note, written=outputs())
+        report = answer(request, on_trial=trial_done if request.mode == "probe" else None, on_note=note,
+                        written=outputs(), on_progress=lambda text: status.update(f"{text}…"))
     print_report(report, as_json=as_json)
+
+
+_EVERY_S = 5.0  # in a log, how often long work says how far it is
+
+
+def _lines(typer: object) -> object:
+    """Progress as a line on stderr now and then (a log has no spinner): at most one every few seconds."""
+    import time
+
+    last = [-_EVERY_S]
+
+    def line(text: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= _EVERY_S:
+            last[0] = now
+            typer.echo(f"… {text}", err=True)
+
+    return line

@@ -29,6 +29,7 @@ import torch
 from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import enable_checkpointing
+from ..probing.progress import working
 from ..probing.trial import PhasePeaks, Trial, batch_on
 from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
@@ -174,7 +175,10 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
         # Everything that refers to the wrapped copy lives in _train's frame alone: when it returns,
         # nothing of the trial is referenced, and one collection frees it all before the next trial
         # (a parameter list kept here held ZeRO-1/2's flat fp32 copy into the next trial).
-        done = _train(workload, template, strategy, backend, batch_size, peaks, deepspeed_config, fence)
+        traced = getattr(backend, "fake_mode", None) is not None
+        with working(f"{'tracing' if traced else 'training'} {workload.name} under {strategy.label} at batch "
+                     f"{batch_size}{' on fake tensors' if traced else ''}"):
+            done = _train(workload, template, strategy, backend, batch_size, peaks, deepspeed_config, fence)
         gc.collect()
         if fence is not None and done[3] is not None:
             fence.take_down()  # nothing refers to the trial's groups now: the ranks waiting on this one are freed

@@ -33,6 +33,7 @@ from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for, require_materialized
 from ..probing.preserve import enable_checkpointing
 from ..probing.probe import DEFAULT_HEADROOM, not_led, resolve_headroom, summarise
+from ..probing.progress import working
 from ..probing.result import BatchResult
 from ..probing.search import search_max
 from ..probing.trial import Trial, run_trial
@@ -122,7 +123,7 @@ def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode
     left untouched.
     """
     if not isinstance(model, torch.nn.Module):
-        with fake_mode:
+        with fake_mode, working(f"building {getattr(model, '__name__', 'the model')} on fake tensors"):
             built = model()
         if not isinstance(built, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(built).__name__}")

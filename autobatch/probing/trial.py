@@ -13,6 +13,7 @@ import torch
 
 from .backends import MemoryBackend
 from .oom import is_oom_error, oom_message
+from .progress import working
 from .samples import check_sample_count
 from .workload import Workload, make_optimizer, resolve_dtype, step_loss
 
@@ -133,7 +134,10 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
     resident_bytes = error = None
     backend.release()
     retries_before = backend.alloc_retries()
-    with backend.track(resident):
+    traced = getattr(backend, "fake_mode", None) is not None
+    doing = (f"tracing {workload.name} at batch {batch_size} on fake tensors" if traced
+             else f"training {workload.name} at batch {batch_size} ({workload.steps} steps)")
+    with working(doing), backend.track(resident):
         peaks = PhasePeaks(backend)
         optimizer = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
         phase = "forward_backward"

@@ -83,7 +83,9 @@ TrustRemoteCode = Annotated[bool, typer.Option(
 )]
 Dtype = Annotated[str, typer.Option("--dtype", rich_help_panel=_MODEL, help="fp32, bf16 or fp16 (autocast).")]
 OptimizerName = Annotated[str, typer.Option(
-    "--optimizer", rich_help_panel=_MODEL, help="adamw, adam, sgd, sgd-nomomentum or adafactor.",
+    "--optimizer", rich_help_panel=_MODEL,
+    help="adamw, adam, sgd, sgd-nomomentum, adafactor, or adamw8bit (bitsandbytes' AdamW8bit as memory: "
+         "uint8 moments and an absmax per 256 elements; bitsandbytes not needed).",
 )]
 GradCheckpointing = Annotated[bool, typer.Option(
     "--grad-checkpointing", rich_help_panel=_MODEL, help="Train with gradient checkpointing on.",

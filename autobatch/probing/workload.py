@@ -9,6 +9,7 @@ from typing import Any, Union
 import torch
 
 from ..errors import AutobatchError
+from .eight_bit import EightBitAdamW
 
 __all__ = ["Workload", "default_loss", "step_loss", "where", "make_optimizer", "resolve_dtype", "OPTIMIZERS", "DTYPES"]
 
@@ -21,6 +22,8 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
     "sgd-nomomentum": lambda params: torch.optim.SGD(params, lr=1e-3),
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-3),
+    # bitsandbytes' AdamW8bit as memory: uint8 moments, absmax per 256 (no bitsandbytes needed)
+    "adamw8bit": lambda params: EightBitAdamW(params, lr=1e-4),
 }
 DTYPES: dict[str, torch.dtype | None] = {
     "fp32": None, "float32": None,

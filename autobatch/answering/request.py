@@ -47,7 +47,6 @@ class Request:
     Device: ``device``/``memory`` probe a GPU or the CPU against a simulated budget; ``gpu`` or
     ``gpu_memory`` estimate for a named card from a fake-tensor trace. ``estimate=None`` (the
     default) probes wherever it can and estimates where there is no GPU; ``True`` always estimates.
-
     Outputs: ``deepspeed``, ``accelerate``, ``hf`` (merged into existing files) and ``plot``.
 
     Example:
@@ -74,6 +73,7 @@ class Request:
     dtype: str = "fp32"
     optimizer: str = "adamw"
     grad_checkpointing: bool = False
+    grads_held: bool = False   # gradients held into the next forward (accumulation's micro-steps)
     # the plan
     target: int | None = None
     gpus_per_node: int | None = None
@@ -210,7 +210,8 @@ class Request:
 
     def settings(self) -> dict[str, Any]:
         """The training settings of the workload."""
-        return dict(optimizer=self.optimizer, dtype=self.dtype, grad_checkpointing=self.grad_checkpointing)
+        return dict(optimizer=self.optimizer, dtype=self.dtype, grad_checkpointing=self.grad_checkpointing,
+                    grads_held=self.grads_held)
 
     def outputs(self) -> dict[str, Any]:
         return dict(deepspeed=self.deepspeed, accelerate=self.accelerate, hf=self.hf)
@@ -220,9 +221,8 @@ class Request:
         def plain(value: Any) -> Any:
             if value is None or isinstance(value, (str, int, float, bool)):
                 return value
-            if isinstance(value, (list, tuple)):
-                return [plain(v) for v in value]
-            return getattr(value, "name", None) or type(value).__name__
+            return [plain(v) for v in value] if isinstance(value, (list, tuple)) else (
+                getattr(value, "name", None) or type(value).__name__)
 
         return {f.name: plain(getattr(self, f.name)) for f in fields(self)}
 
@@ -326,6 +326,9 @@ class Request:
             problems.append(f"{' and '.join(option(n) for n in given)} describe{'s' if len(given) == 1 else ''} a "
                             f"sharded strategy, but no {option('strategy')} was given; add {option('strategy')} "
                             f"{'zero3' if given == ['offload'] else 'fsdp2'}")
+        if self.grads_held and any(s.name != "ddp" for s in strategies or ()):
+            problems.append(f"{option('grads_held')} holds an unsharded step's gradients into the next forward; FSDP "
+                            f"and ZeRO keep theirs as their engines do: drop it, or compare with {option('strategy')} ddp")
         lengths = self.lengths
         if lengths is not None and any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
                                        for s in lengths):

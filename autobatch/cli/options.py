@@ -18,7 +18,8 @@ from ..errors import AutobatchError
 
 __all__ = [
     "AsJson", "AccelerateOut", "DeepSpeedOut", "DeviceName", "Dtype", "GpuMemory", "GpuName", "GpusPerNode",
-    "GradCheckpointing", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel", "ModelSpec",
+    "GradCheckpointing", "GradsHeld", "Headroom", "HfOut", "InputShape", "MaxMicro", "MinMicro", "ModelParallel",
+    "ModelSpec",
     "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SeqLens", "Evaluation", "TrainSeqLen",
     "SimulatedMemory", "Target", "StrategyOption", "Uneven", "OffloadOption", "FsdpUnitOption",
     "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
@@ -31,6 +32,7 @@ FLAGS = {
     "model": "--model", "seq_len": "--seq-len", "train_seq_len": "--train-seq-len", "evaluation": "--eval",
     "input_shape": "--input-shape", "num_classes": "--num-classes", "trust_remote_code": "--trust-remote-code",
     "dtype": "--dtype", "optimizer": "--optimizer", "grad_checkpointing": "--grad-checkpointing",
+    "grads_held": "--grads-held",
     "target": "--target", "gpus_per_node": "--gpus", "nodes": "--nodes", "model_parallel": "--model-parallel",
     "max_micro": "--max-micro", "min_micro": "--min-micro", "multiple_of": "--multiple-of",
     "base_lr": "--base-lr", "base_batch": "--base-batch", "headroom": "--headroom", "strategy": "--strategy",
@@ -89,6 +91,12 @@ OptimizerName = Annotated[str, typer.Option(
 )]
 GradCheckpointing = Annotated[bool, typer.Option(
     "--grad-checkpointing", rich_help_panel=_MODEL, help="Train with gradient checkpointing on.",
+)]
+GradsHeld = Annotated[bool, typer.Option(
+    "--grads-held", rich_help_panel=_MODEL,
+    help="The gradients stay allocated into the next forward: every accumulation micro-step after the first, or "
+         "a loop that zeroes them with zero_grad(set_to_none=False). The forward's peak holds them too (up to "
+         "4 bytes per fp32 parameter); unsharded steps (DDP) only.",
 )]
 
 Target = Annotated[int, typer.Option("--target", min=1, rich_help_panel=_PLAN, help="Global batch per optimizer step.")]

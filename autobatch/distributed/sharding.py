@@ -150,10 +150,10 @@ def _world() -> int:
     return dist.get_world_size()
 
 
-def _plain_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+def _plain_step(optimizer: torch.optim.Optimizer, grads_held: bool = False) -> Callable[[], None]:
     def step() -> None:
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not grads_held)  # held: zeroed, into the next forward (accumulation)
 
     return step
 
@@ -182,6 +182,9 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
         group: the process group to shard over (default: the whole job); a group of the whole job.
     """
     world = _world()
+    if workload.grads_held and strategy.name != "ddp":
+        raise AutobatchError(f"grads_held holds an unsharded step's gradients into the next forward; {strategy.label} "
+                             "keeps its own as its engine does: drop grads_held, or use the ddp strategy")
     if strategy.is_deepspeed:
         from .zero import wrap_deepspeed
 
@@ -197,7 +200,7 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
             # in place (the default hook's memory: the bucket itself) by handing the bucket back.
             wrapped.register_comm_hook(None, _bucket_as_is)
         optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
-        return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), _keep=[wrapped])
+        return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer, workload.grads_held), _keep=[wrapped])
     units = fsdp_units(model, strategy.unit)
     if strategy.name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh

@@ -83,9 +83,10 @@ def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int
     loss.backward()
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+def _optimizer_step(optimizer: torch.optim.Optimizer, grads_held: bool = False) -> None:
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # Held: zeroed, not freed, so the next step's forward runs beside them (accumulation's micro-steps).
+    optimizer.zero_grad(set_to_none=not grads_held)
 
 
 def _drain_autograd(device: torch.device) -> None:
@@ -149,7 +150,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
                 forward_backward(workload, model, batch_size, backend.device)
                 peaks.read(phase)
                 phase = "optimizer"
-                _optimizer_step(optimizer)
+                _optimizer_step(optimizer, workload.grads_held)
                 peaks.read(phase)
                 times.append(time.perf_counter() - start)
             resident_bytes = backend.allocated_bytes()

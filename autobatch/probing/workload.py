@@ -141,6 +141,9 @@ class Workload:
         optimizer: ``"adamw"``, ``"sgd"``, … or a factory ``params -> Optimizer``.
         dtype: autocast dtype (``"bf16"``, ``"fp16"``) or ``None`` for fp32.
         grad_checkpointing: call the model's ``gradient_checkpointing_enable()`` while probing.
+        grads_held: the gradients stay allocated from one step into the next one's forward, as in
+            every accumulation micro-step after the first, or in a loop that zeroes them with
+            ``zero_grad(set_to_none=False)``: the forward's peak then holds them too.
         steps: full training steps per trial; at least 2, since optimizer state appears at the
             first ``step()`` and the second step carries it.
         name: shown in reports.
@@ -156,6 +159,7 @@ class Workload:
     optimizer: str | OptimizerFactory = "adamw"
     dtype: str | torch.dtype | None = None
     grad_checkpointing: bool = False
+    grads_held: bool = False
     steps: int = 2
     name: str = "model"
 

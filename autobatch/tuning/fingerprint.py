@@ -165,6 +165,7 @@ def fingerprint(
         "optimizer": _callable_name(workload.optimizer),
         "dtype": _dtype_name(workload.dtype),
         "grad_checkpointing": bool(workload.grad_checkpointing),
+        "grads_held": bool(workload.grads_held),
         "steps": workload.steps,
         "wrapper": wrapper,
         "world_size": world_size,

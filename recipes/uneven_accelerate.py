@@ -43,7 +43,8 @@ def main() -> None:
                 accelerator.backward(norm.sample_loss(sample_losses(net, x, y)))
         optimizer.step()
         optimizer.zero_grad()
-        print(f"rank {accelerator.process_index} step {step}: {sampler.micro_batch} × {sampler.grad_accum} samples")
+        print(f"rank {accelerator.process_index} step {step}: {sampler.micro_batch} × {sampler.grad_accum} samples",
+              flush=True)  # one write: the ranks print at once
     if args.check:
         check(accelerator.unwrap_model(net), plan, args.steps)
     accelerator.wait_for_everyone()

@@ -54,7 +54,8 @@ def main() -> None:
     # Lightning runs a collective per batch, so every rank must yield as many: one batch per optimizer
     # step, holding this rank's k_r micro-batches.
     trainer.fit(module, sampler.by_step(torch.utils.data.DataLoader(data, batch_sampler=sampler)))
-    print(f"rank {dist.get_rank()}: {args.steps} steps of {sampler.micro_batch} × {sampler.grad_accum} samples")
+    print(f"rank {dist.get_rank()}: {args.steps} steps of {sampler.micro_batch} × {sampler.grad_accum} samples",
+          flush=True)
     if args.check:
         check(module.net, plan, args.steps)
 

@@ -42,7 +42,8 @@ def main() -> None:
                 norm.sample_loss(sample_losses(net, x, y)).backward()
         optimizer.step()
         optimizer.zero_grad()
-        print(f"rank {dist.get_rank()} step {step}: {sampler.micro_batch} × {sampler.grad_accum} samples")
+        print(f"rank {dist.get_rank()} step {step}: {sampler.micro_batch} × {sampler.grad_accum} samples",
+              flush=True)  # one write: the ranks print at once
     if args.check:
         check(model, plan, args.steps)
     del net

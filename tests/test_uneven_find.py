@@ -170,6 +170,8 @@ def test_find_uneven_text_shows_each_ranks_arithmetic(tmp_path) -> None:
     (["estimate", "--model", "tiny-mlp", "--target", "9", "--gpu", "a100-80gb:1,a100-40gb:1", "--uneven",
       "--deepspeed", "ds.json"], "--deepspeed hold one micro batch for every rank"),
     (["estimate", "--model", "tiny-mlp", "--gpu", "a100-80gb:2,t4:x"], "--gpu must list NAME:COUNT parts"),
+    (["estimate", "--model", "tiny-mlp", "--gpu", "a100-80gb:4,a100-40gb"], "give each card's count as a positive "
+     "integer, every card of a list"),
     (["estimate", "--model", "tiny-mlp", "--gpu", "a100-80gb:2,t4:2", "--gpus", "8"],
      "--gpu a100-80gb:2,t4:2 names 4 GPUs, but --gpus 8 × --nodes 1 is 8"),
     (["estimate", "--model", "tiny-mlp", "--gpu", "a100-80gb:2,t4:2", "--uneven", "--model-parallel", "2"],

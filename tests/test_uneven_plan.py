@@ -120,6 +120,12 @@ def test_the_plan_prints_its_arithmetic_per_rank_and_its_json_has_per_rank() -> 
     assert [r["micro_batch"] * r["grad_accum"] for r in data["per_rank"]] == [48, 48]
     assert set(data["per_rank"][0]) == {"rank", "micro_batch", "grad_accum", "samples", "max_batch", "safe_batch",
                                         "seconds_per_sample"}
+    assert (data["time_unit"], data["speeds"], data["step_time"]) == ("seconds", "measured", pytest.approx(0.48))
+    untimed = solve_uneven(96, _limits([32, 16])).to_dict()  # no times: the step counts samples
+    assert (untimed["time_unit"], untimed["speeds"], untimed["step_time"]) == ("samples", "equal", 48)
+    peak = solve_uneven(96, _limits([32, 16], [(0.0, 0.01), (0.0, 0.02)]), speeds="peak").to_dict()
+    assert (peak["time_unit"], peak["speeds"]) == ("relative", "peak")
+    assert all(r["seconds_per_sample"] is None for r in peak["per_rank"])  # peak speeds are not seconds
 
 
 def test_step_line_through_measured_trials() -> None:

@@ -50,8 +50,8 @@ __all__ = ["find_command", "answer_and_print"]
 @command("find", examples=[
     "autobatch find --model gpt2 --target 224",
     "autobatch find --model tiny-gpt2 --target 96 --device cpu --memory 8MiB --deepspeed ds.json",
-    "torchrun --nproc-per-node 2 -m autobatch find --model tiny-mlp --target 100 --device cpu --memory 40MiB,20MiB "
-    "--uneven",
+    "torchrun --standalone --nproc-per-node 2 -m autobatch find --model tiny-mlp --target 20000 --device cpu "
+    "--memory 40MiB,20MiB --uneven",
 ])
 def find_command(
     model: ModelSpec, target: FindTarget = None, gpus: GpusHere = None, nodes: Nodes = 1,

@@ -118,12 +118,13 @@ def gpu_mix(gpu: str | None) -> tuple[tuple[GpuSpec, int], ...] | None:
     if not isinstance(gpu, str) or ("," not in gpu and ":" not in gpu):
         return None
     mix = []
-    for part in gpu.split(","):
+    parts = gpu.split(",")
+    for part in parts:
         name, _, count = part.strip().partition(":")
-        count = count.strip() or "1"
+        count = count.strip() or ("" if len(parts) > 1 else "1")
         if not count.isdigit() or int(count) < 1:
             raise AutobatchError(f"gpu must list NAME:COUNT parts (a100-80gb:4,a100-40gb:4), but got {part.strip()!r} "
-                                 f"in {gpu!r}; give each card's count as a positive integer")
+                                 f"in {gpu!r}; give each card's count as a positive integer, every card of a list")
         mix.append((lookup_gpu(name.strip()), int(count)))
     return tuple(mix)
 

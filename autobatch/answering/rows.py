@@ -72,7 +72,8 @@ def strategy_rows(request: Request, setup: Setup, *, on_trial: Callable[[Any], N
 
 
 def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], None]) -> tuple[list[Finding | NoFit], dict[str, str]]:
-    """Rank 0 of W's sharded steps against ``spec``'s usable memory, one row per strategy, and how each ran.
+    """Rank 0 of W's sharded steps against ``spec``'s usable memory less the allocator's overheads, one row per
+    strategy, and how each ran.
 
     FSDP and ZeRO train on fake tensors (no memory, seconds at any size). DDP's reducer reads
     its tensors' data, so ``ddp`` runs real steps on this machine's CPU (rank 0's share of its
@@ -80,8 +81,12 @@ def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], No
     """
     from ..estimating.estimate import load_fake_model
     from ..estimating.fake_backends import fake_backend, gpu_attention_backend
+    from ..estimating.overheads import Overheads
+    from ..units import parse_bytes
 
-    usable = spec.usable_bytes
+    # As for one GPU: the allocator's fragmentation and the libraries' workspaces come off the card.
+    overheads = Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace))
+    usable = overheads.allocatable(spec.usable_bytes)
     how: dict[str, str] = {}
     load = request.load_options(request.one_length)
 

@@ -109,14 +109,15 @@ def _estimated_for(report: Any, *, overheads: bool) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
     said = "; ".join(f"{label}: {way}" for label, way in report.ways.items())
-    tail = "; no allocator overheads added" if overheads else ""
+    request_overheads = f"×{request.fragmentation:g} fragmentation and {request.workspace} of workspaces"
+    tail = f"; {request_overheads} taken off it" if overheads else ""
     return f"estimated for {spec.name}, as rank 0 of {world} against its usable {format_bytes(spec.usable_bytes)} ({said}; no GPU used{tail})"
 
 
 def _print_rows(report: Any) -> None:
     """Several strategies compared: the device, the table and a line per strategy."""
     out = console()
-    head = _estimated_for(report, overheads=False) if report.estimated else device_line(report.device)
+    head = _estimated_for(report, overheads=True) if report.estimated else device_line(report.device)
     out.print(head, highlight=False, markup=False)
     out.print(strategy_table(report.rows))
     for row in report.rows:

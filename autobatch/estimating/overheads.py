@@ -83,5 +83,14 @@ class Overheads:
         """The reserved peak a GPU would reach for a traced (allocated) peak."""
         return int(allocated * self.fragmentation) + self.workspace_bytes
 
+    def allocatable(self, usable: int) -> int:
+        """The largest traced (allocated) peak whose reserved peak stays within ``usable`` bytes.
+
+        Example:
+            >>> Overheads(fragmentation=1.25, workspace_bytes=100).allocatable(600)
+            400
+        """
+        return max(0, int((usable - self.workspace_bytes) / self.fragmentation))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

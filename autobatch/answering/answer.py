@@ -23,7 +23,15 @@ from ..probing.workload import default_loss
 from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus, uneven_plan
 from .report import Report
 from .request import Request
-from .rows import estimate_strategy_rows, length_table, strategy_rows, user_deepspeed_config, workload_of
+from .rows import (
+    estimate_overheads,
+    estimate_strategy_rows,
+    estimate_workload,
+    length_table,
+    strategy_rows,
+    user_deepspeed_config,
+    workload_of,
+)
 
 __all__ = ["answer", "find"]
 
@@ -108,10 +116,8 @@ def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | 
 
 def _estimate(request: Request, note: Note) -> Report:
     """No GPU to probe, or a named one: the same steps traced on fake tensors for ``request``'s GPU."""
-    from ..estimating.estimate import estimate, load_fake_model
+    from ..estimating.estimate import estimate
     from ..estimating.gpus import resolve_gpu
-    from ..estimating.overheads import Overheads
-    from ..units import parse_bytes
 
     if mixed_gpus(request) is not None:
         return estimate_mixed(request, note)
@@ -129,17 +135,12 @@ def _estimate(request: Request, note: Note) -> Report:
         rows, ways = estimate_strategy_rows(request, spec, note)
         plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
         return Report(request, plan, rows=tuple(rows), gpu=spec, ways=ways)
-    overheads = Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace))
+    overheads = estimate_overheads(request)
     if request.table:
         table, _ = length_table(request, None, {"gpu": spec, "overheads": overheads})
         plan = table.plan(gpus_per_node=gpus, **request.planning())
         return Report(request, plan, lengths=table, gpu=spec)
-    if isinstance(request.model, str):
-        workload = load_fake_model(request.model, **request.load_options(request.one_length)).to_workload(
-            **request.settings())
-    else:
-        workload = workload_of(request)
-    result = estimate(workload, spec, overheads=overheads, headroom=request.headroom, max_batch=request.max_micro,
+    result = estimate(estimate_workload(request), spec, overheads=overheads, headroom=request.headroom, max_batch=request.max_micro,
                       min_batch=request.min_micro, data_parallel=gpus * request.nodes // max(1, request.model_parallel))
     plan = None
     if request.target is not None:

@@ -131,14 +131,12 @@ def uneven_plan(request: Request, limits: tuple[RankLimit, ...], *, strategy: An
 def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     """An estimate for a mixed ``--gpu`` list: every card traced, the uniform plan at the smallest
     card's safe batch and, with ``uneven``, a plan per rank split by the cards' peak speeds."""
-    from ..estimating.estimate import estimate, load_fake_model
+    from ..estimating.estimate import estimate
     from ..estimating.gpus import PEAK_TFLOPS
-    from ..estimating.overheads import Overheads
     from ..pipeline import Finding
     from ..planning.solver import solve
-    from ..units import parse_bytes
     from .report import Report
-    from .rows import estimate_strategy_rows, workload_of
+    from .rows import estimate_overheads, estimate_strategy_rows, estimate_workload
 
     mix = mixed_gpus(request)
     world = sum(n for _, n in mix)
@@ -146,31 +144,26 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     if not request.estimate:
         note(f"no CUDA GPU here, so these are estimates for {request.gpu} from a fake-tensor trace; run find "
              "under a launcher on the GPU machines for exact figures")
-    overheads = Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace))
+    # Each card once (a card may stand twice in the list); the model is built once for all of them.
+    cards_once = list({spec.name: spec for spec, _ in mix}.values())
     found: dict[str, Any] = {}
-    for spec, _ in mix:
-        if spec.name in found:
-            continue
-        if request.strategies is not None:
+    if request.strategies is not None:
+        for spec in cards_once:
             rows, _ = estimate_strategy_rows(request, spec, note)
             if not isinstance(rows[0], Finding):
                 raise AutobatchError(f"nothing fits on {spec.name} under {request.strategies[0].label}: "
                                      f"{rows[0]}; drop that card from {option('gpu')}")
-            found[spec.name] = (spec, rows[0].probe)
-            continue
-        if isinstance(request.model, str):
-            workload = load_fake_model(request.model, **request.load_options(request.one_length)).to_workload(
-                **request.settings())
-        else:
-            workload = workload_of(request)
-        found[spec.name] = (spec, estimate(workload, spec, overheads=overheads, headroom=request.headroom,
-                                           max_batch=request.max_micro, min_batch=request.min_micro,
-                                           data_parallel=world))
-    per_rank = [(spec, found[spec.name][1]) for spec, n in mix for _ in range(n)]
-    limits = tuple(RankLimit(r, result.max_batch, max(1, result.safe_batch),
+            found[spec.name] = rows[0].probe
+    else:
+        workload, overheads = estimate_workload(request), estimate_overheads(request)
+        for spec in cards_once:
+            found[spec.name] = estimate(workload, spec, overheads=overheads, headroom=request.headroom,
+                                        max_batch=request.max_micro, min_batch=request.min_micro, data_parallel=world)
+    limits = tuple(RankLimit(r, found[spec.name].max_batch, max(1, found[spec.name].safe_batch),
                              (0.0, 1.0 / PEAK_TFLOPS.get(spec.name, 100.0)))
-                   for r, (spec, result) in enumerate(per_rank))
-    card, smallest = min(found.values(), key=lambda pair: pair[1].safe_batch)
+                   for r, spec in enumerate(spec for spec, n in mix for _ in range(n)))
+    card = min(cards_once, key=lambda spec: found[spec.name].safe_batch)
+    smallest = found[card.name]
     plan = uneven = None
     if request.target is not None and (not request.uneven or request.target % world == 0):
         plan = solve(request.target, world // nodes, nodes, smallest.safe_batch, min_micro=smallest.min_batch,
@@ -178,7 +171,7 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     if request.uneven:
         uneven = uneven_plan(request, limits, strategy=request.strategies[0] if request.strategies else None,
                              min_micro=smallest.min_batch, uniform_safe=smallest.safe_batch, speeds="peak")
-    cards = tuple({"gpu": spec.name, "count": n, "max_batch": found[spec.name][1].max_batch,
-                   "safe_batch": found[spec.name][1].safe_batch, "peak_tflops": PEAK_TFLOPS.get(spec.name)}
+    cards = tuple({"gpu": spec.name, "count": n, "max_batch": found[spec.name].max_batch,
+                   "safe_batch": found[spec.name].safe_batch, "peak_tflops": PEAK_TFLOPS.get(spec.name)}
                   for spec, n in mix)
     return Report(request, plan, rows=(Finding(smallest, plan),), gpu=card, uneven=uneven, cards=cards)

@@ -20,7 +20,8 @@ from ..probing.backends import MemoryBackend
 from ..strategy import Strategy
 from .request import Request
 
-__all__ = ["NoFit", "user_deepspeed_config", "strategy_rows", "estimate_strategy_rows", "length_table"]
+__all__ = ["NoFit", "user_deepspeed_config", "strategy_rows", "estimate_strategy_rows", "length_table",
+           "estimate_overheads", "estimate_workload", "workload_of"]
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,9 @@ def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], No
     """
     from ..estimating.estimate import load_fake_model
     from ..estimating.fake_backends import fake_backend, gpu_attention_backend
-    from ..estimating.overheads import Overheads
-    from ..units import parse_bytes
 
     # As for one GPU: the allocator's fragmentation and the libraries' workspaces come off the card.
-    overheads = Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace))
-    usable = overheads.allocatable(spec.usable_bytes)
+    usable = estimate_overheads(request).allocatable(spec.usable_bytes)
     how: dict[str, str] = {}
     load = request.load_options(request.one_length)
 
@@ -104,6 +102,23 @@ def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], No
 
     # The trials already run on fake tensors (or DDP's real steps): a traced prior saves nothing.
     return strategy_rows(request, setup, use_trace_prior=False), how
+
+
+def estimate_overheads(request: Request) -> Any:
+    """What an estimate adds to a traced peak on a GPU: the request's fragmentation and workspaces."""
+    from ..estimating.overheads import Overheads
+    from ..units import parse_bytes
+
+    return Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace))
+
+
+def estimate_workload(request: Request) -> Any:
+    """The request's model for an estimate: a named model built on fake tensors (no memory), else as given."""
+    if not isinstance(request.model, str):
+        return workload_of(request)
+    from ..estimating.estimate import load_fake_model
+
+    return load_fake_model(request.model, **request.load_options(request.one_length)).to_workload(**request.settings())
 
 
 def workload_of(request: Request, load: dict[str, Any] | None = None) -> Any:

@@ -90,7 +90,7 @@ def answer_and_print(request: object, *, as_json: bool) -> None:
     err = console(stderr=True)
     quiet = request.mode == "probe" and request.launched and not rank_env().is_main
     if not err.is_terminal or quiet:
-        report = answer(request, on_note=note, written=outputs(), on_progress=None if quiet else _lines(typer))
+        report = answer(request, on_note=note, written=outputs(), on_progress=None if quiet else _lines())
         print_report(report, as_json=as_json)
         return
     with err.status("probing…" if request.mode == "probe" else "estimating…") as status:
@@ -105,9 +105,11 @@ def answer_and_print(request: object, *, as_json: bool) -> None:
 _EVERY_S = 5.0  # in a log, how often long work says how far it is
 
 
-def _lines(typer: object) -> object:
+def _lines() -> object:
     """Progress as a line on stderr now and then (a log has no spinner): at most one every few seconds."""
     import time
+
+    import typer
 
     last = [-_EVERY_S]
 

@@ -105,19 +105,18 @@ def strategy_table(rows: Any) -> Any:
     return table
 
 
-def _estimated_for(report: Any, *, overheads: bool) -> str:
+def _estimated_for(report: Any) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
     said = "; ".join(f"{label}: {way}" for label, way in report.ways.items())
-    request_overheads = f"×{request.fragmentation:g} fragmentation and {request.workspace} of workspaces"
-    tail = f"; {request_overheads} taken off it" if overheads else ""
+    tail = f"; ×{request.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
     return f"estimated for {spec.name}, as rank 0 of {world} against its usable {format_bytes(spec.usable_bytes)} ({said}; no GPU used{tail})"
 
 
 def _print_rows(report: Any) -> None:
     """Several strategies compared: the device, the table and a line per strategy."""
     out = console()
-    head = _estimated_for(report, overheads=True) if report.estimated else device_line(report.device)
+    head = _estimated_for(report) if report.estimated else device_line(report.device)
     out.print(head, highlight=False, markup=False)
     out.print(strategy_table(report.rows))
     for row in report.rows:
@@ -133,7 +132,7 @@ def _print_estimate(report: Any) -> None:
     finding = report.finding
     out = console()
     if report.request.strategies is not None:
-        out.print("note: " + _estimated_for(report, overheads=True), highlight=False, markup=False)
+        out.print("note: " + _estimated_for(report), highlight=False, markup=False)
         out.print(strategy_table([finding]))
         out.print(str(finding.probe), highlight=False, markup=False)
     else:

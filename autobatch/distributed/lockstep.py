@@ -176,18 +176,18 @@ def probe_distributed(
         breakdowns: dict[int, Any] = {}
         configs: dict[int, dict[str, Any]] = {}
 
+        def mine_at(batch: int, net: torch.nn.Module | None) -> Any:
+            # Half the agreement's wait: a rank held in a collective the fence could not break
+            # (see fence.py) gives up in time to meet the others in the agreement.
+            return _rank_trial(workload, net if chosen is None else model, backend, batch, chosen,
+                               deepspeed_config, comm.timeout_s / 2)
+
         def run(batch: int, net: torch.nn.Module) -> Trial:
             mine = failure = None
             try:
-                if chosen is None:
-                    mine = run_trial(workload, net, backend, batch)
-                else:  # a fresh wrapped copy of the (CPU) model per trial, on its own process group
-                    # Half the agreement's wait: a rank held in a collective the fence could not break
-                    # (see fence.py) gives up in time to meet the others in the agreement.
-                    with TrialFence(timeout_s=comm.timeout_s / 2) as fence:
-                        done = run_sharded_trial(workload, model, chosen, backend, batch,
-                                                 deepspeed_config=deepspeed_config, fence=fence)
-                    mine, breakdowns[batch], configs[batch] = done.trial, done.breakdown, done.config
+                mine = mine_at(batch, net)
+                if chosen is not None:
+                    mine, breakdowns[batch], configs[batch] = mine.trial, mine.breakdown, mine.config
             except Exception as exc:  # run_trial turned OOM into a trial already
                 failure = exc
             shared = share_trial(comm, mine)
@@ -230,11 +230,10 @@ def probe_distributed(
             outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
                                  prior=agreed_prior(comm, prior))
             own = None if not each_rank or outcome.max_batch == 0 else own_limits(
-                comm, lambda b: _own_trial(workload, net if chosen is None else model, backend, b, chosen,
-                                           deepspeed_config, comm.timeout_s / 2),
+                comm, lambda b: mine_at(b, net) if chosen is None else mine_at(b, net).trial,
                 local_trials[rank], capacity=backend.capacity(), headroom=headroom, min_batch=min_batch,
                 max_batch=max_batch, lockstep=chosen is not None, prior=prior,
-                timed=backend.device.type == "cuda")[0]
+                timed=backend.device.type == "cuda")
             net = None  # the wrapper's gradient buckets die with the last reference
     if owned:
         del model
@@ -283,14 +282,15 @@ def probe_distributed(
     )
 
 
-def _own_trial(workload: Workload, net: torch.nn.Module, backend: MemoryBackend, batch: int,
-               chosen: Strategy | None, deepspeed_config: dict[str, Any] | None, timeout_s: float) -> Trial:
-    """This rank's own trial at ``batch``: the (DDP) model's step, or a fenced sharded copy's."""
+def _rank_trial(workload: Workload, net: torch.nn.Module, backend: MemoryBackend, batch: int,
+                chosen: Strategy | None, deepspeed_config: dict[str, Any] | None, timeout_s: float) -> Any:
+    """This rank's trial at ``batch``: the (DDP) model's step (a :class:`Trial`), or a fresh wrapped copy
+    of the (CPU) model on its own fenced process group (a ``ShardedTrial``, with its breakdown and config)."""
     if chosen is None:
         return run_trial(workload, net, backend, batch)
     with TrialFence(timeout_s=timeout_s) as fence:
         return run_sharded_trial(workload, net, chosen, backend, batch, deepspeed_config=deepspeed_config,
-                                 fence=fence).trial
+                                 fence=fence)
 
 
 def _wrap_ddp(stack: ExitStack, model: torch.nn.Module, backend: MemoryBackend,

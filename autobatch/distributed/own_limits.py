@@ -49,8 +49,8 @@ def own_limits(
     lockstep: bool,
     prior: Callable[[int], float] | None = None,
     timed: bool = True,
-) -> tuple[tuple[RankLimit, ...], list[Trial]]:
-    """Collective: every rank's :class:`~autobatch.planning.uneven.RankLimit`, and this rank's trials.
+) -> tuple[RankLimit, ...]:
+    """Collective: every rank's :class:`~autobatch.planning.per_rank.RankLimit`, in rank order.
 
     ``run(b)`` runs this rank's own trial at ``b`` (an out-of-memory error is a trial that does not
     fit); ``known`` are this rank's trials so far, which cost nothing again. Without ``timed`` (a
@@ -75,7 +75,7 @@ def own_limits(
     mine = (outcome.max_batch, safe, line)
     everyone: list[Any] = [None] * dist.get_world_size()
     collective(comm, "gathering each rank's own limits", lambda: dist.all_gather_object(everyone, mine))
-    return tuple(RankLimit(r, *row) for r, row in enumerate(everyone)), trials
+    return tuple(RankLimit(r, *row) for r, row in enumerate(everyone))
 
 
 class _Stepper:

@@ -32,9 +32,9 @@ import torch
 from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import min_batch_for, require_materialized
 from ..probing.preserve import enable_checkpointing
-from ..probing.probe import DEFAULT_HEADROOM, not_led, resolve_headroom, summarise
+from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
 from ..probing.progress import working
-from ..probing.result import BatchResult
+from ..probing.result import BatchResult, not_led
 from ..probing.search import search_max
 from ..probing.trial import Trial, run_trial
 from ..probing.workload import Workload, resolve_dtype

@@ -15,7 +15,8 @@ from typing import Any
 from ..errors import AutobatchError
 from ..modelinfo import min_batch_for
 from ..probing.evaluation import run_eval_trial
-from ..probing.probe import MemorySummary, not_led
+from ..probing.probe import MemorySummary
+from ..probing.result import not_led
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype

@@ -14,8 +14,8 @@ from ..probing.backends import MemoryBackend
 from ..probing.evaluation import run_eval_trial
 from ..probing.heap import frozen_heap
 from ..probing.preserve import borrowed_model
-from ..probing.probe import MemorySummary, not_led, training_trial
-from ..probing.result import ProbeResult
+from ..probing.probe import MemorySummary, training_trial
+from ..probing.result import ProbeResult, not_led
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 

@@ -142,10 +142,6 @@ class UnevenPlan:
                                  f"ranks, but got {rank}")
         return self.ranks[rank]
 
-    def offset(self, rank: int) -> int:
-        """Where rank ``rank``'s samples start in each step's slice of the global order."""
-        return sum(r.samples for r in self.ranks[:rank])
-
     def describe(self) -> str:
         """The arithmetic per rank, the balance, and how it compares with the uniform plan."""
         sums = " + ".join(f"{r.micro_batch}×{r.grad_accum}" for r in self.ranks)

@@ -16,13 +16,13 @@ from .backends import CudaBackend, MemoryBackend, SimulatedBackend
 from .oom import is_oom_error
 from .heap import frozen_heap
 from .preserve import borrowed_model, kept_rng
-from .result import ProbeResult
+from .result import ProbeResult, not_led, trace_record
 from .search import NoTrace, SearchOutcome, fit_line, predict_batch, search_max
 from .trial import Trial, run_trial
 from .workload import Workload
 
 __all__ = ["probe", "result_from_search", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
-           "weights_error", "for_data_parallel", "training_trial", "prior_report", "not_led", "NO_PRIOR"]
+           "weights_error", "for_data_parallel", "training_trial", "prior_report", "NO_PRIOR"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
 _BATCHNORM_MESSAGE = "Expected more than 1 value per channel when training"
@@ -88,9 +88,7 @@ def prior_report(prior: Callable[[int], float] | NoTrace | None, absent: str = N
     report = getattr(prior, "report", None)
     said = report() if callable(report) else None
     if said is not None:
-        failure = said.get("failure")
-        return {"trace_prior": {"led": failure is None,
-                                "reason": None if failure is None else f"the trace stopped: {failure}", **said}}
+        return {"trace_prior": trace_record(said)}
     if isinstance(prior, NoTrace):
         reason = prior.reason
     elif prior is None:
@@ -100,11 +98,6 @@ def prior_report(prior: Callable[[int], float] | NoTrace | None, absent: str = N
     else:
         reason = "a prior of the caller's own led the search, not the trace"
     return {"trace_prior": not_led(reason)}
-
-
-def not_led(reason: str) -> dict[str, Any]:
-    """The record of a search the trace did not lead, and why."""
-    return {"led": False, "reason": reason, "traced_batches": [], "seconds": 0.0, "failure": None}
 
 
 def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exception:

@@ -15,7 +15,21 @@ from ..units import format_bytes
 from .backends import DeviceInfo
 from .trial import Trial
 
-__all__ = ["BatchResult", "ProbeResult"]
+__all__ = ["BatchResult", "ProbeResult", "not_led", "trace_record"]
+
+
+def not_led(reason: str) -> dict[str, Any]:
+    """The record of a search the fake-tensor trace did not lead, and why."""
+    return {"led": False, "reason": reason, "traced_batches": [], "seconds": 0.0, "failure": None}
+
+
+def trace_record(said: dict[str, Any]) -> dict[str, Any]:
+    """A traced prior's report (``traced_batches``, ``seconds``, ``failure``) as the record a result keeps:
+    it led the search unless its trace stopped, and then the failure is the reason."""
+    if "led" in said:
+        return said
+    failure = said.get("failure")
+    return {"led": failure is None, "reason": None if failure is None else f"the trace stopped: {failure}", **said}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,13 +95,8 @@ class BatchResult:
         (``led``, ``reason``, ``traced_batches``, ``seconds``, ``failure``), never missing."""
         said = self.extra.get("trace_prior")
         if not isinstance(said, dict):
-            return {"led": False, "reason": "no record of the trace (a result stored before it was recorded)",
-                    "traced_batches": [], "seconds": 0.0, "failure": None}
-        if "led" in said:
-            return said
-        failure = said.get("failure")  # a record stored before "led" was
-        return {"led": failure is None, "reason": None if failure is None else f"the trace stopped: {failure}",
-                **said}
+            return not_led("no record of the trace (a result stored before it was recorded)")
+        return trace_record(said)  # a record stored before "led" was gets one now
 
     @property
     def trace_led(self) -> bool:

@@ -276,3 +276,18 @@ def test_two_processes_writing_the_same_key_never_tear_the_file(tmp_path):
         final = load(fp, root=root)
     assert final is not None and final.max_batch in (1079, 2079)
     assert not list((root / "probe").glob("*.tmp"))
+
+
+def test_the_version_is_read_from_a_source_tree_that_is_not_installed(monkeypatch):
+    # Run from a checkout (PYTHONPATH=.), the package metadata is missing: the version comes from
+    # autobatch.__version__ (a real GPU machine found the fallback importing from the wrong package).
+    import importlib.metadata
+
+    import autobatch
+    from autobatch.tuning import fingerprint as fingerprint_module
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert fingerprint_module.autobatch_version() == autobatch.__version__

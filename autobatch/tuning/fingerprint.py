@@ -56,7 +56,7 @@ def autobatch_version() -> str:
 
         return version("autobatch")
     except Exception:  # not installed as a distribution (e.g. run from a source tree)
-        from . import __version__
+        from .. import __version__
 
         return __version__
 

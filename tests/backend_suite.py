@@ -7,10 +7,12 @@ derived from the capacity (:func:`failing_batch`), so the suite holds on a GPU o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from autobatch import DeviceInfo, MemoryBackend, is_oom_error
+from autobatch import DeviceInfo, MemoryBackend, Workload, is_oom_error
 from autobatch.probing.trial import run_trial
 from tests.tiny import mlp, mlp_workload
 
@@ -18,6 +20,14 @@ from tests.tiny import mlp, mlp_workload
 def failing_batch(backend: MemoryBackend) -> int:
     """A batch of the MLP whose inputs alone (64 fp32 values a sample) exceed the device's capacity."""
     return backend.capacity() // (64 * 4) + 1
+
+
+def on_the_device(work: Workload, backend: MemoryBackend) -> Workload:
+    """``work`` with its batches made on the backend's device: a batch larger than a 141 GB card
+    is refused there, where made in host memory first it took the host's 128 GiB and the
+    kernel killed the run (seen on an H200)."""
+    return replace(work, make_batch=lambda b: (torch.randn(b, 64, device=backend.device),
+                                               torch.randint(0, 10, (b,), device=backend.device)))
 
 
 class BackendContract:
@@ -67,7 +77,7 @@ class BackendContract:
             assert backend.peak().allocated < (1 << 20) + backend.allocated_bytes() + 1
 
     def test_failed_trial_returns_memory_to_baseline(self, backend, model):
-        work = mlp_workload(model)
+        work = on_the_device(mlp_workload(model), backend)
         assert run_trial(work, model, backend, 4).fits  # the model is now known to the device
         baseline = backend.allocated_bytes()
         trial = run_trial(work, model, backend, failing_batch(backend))

@@ -158,7 +158,8 @@ def find_plan(
 
         world = data_parallel_ranks(gpus_per_node, nodes, model_parallel)
         prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
-                                    deepspeed_config=deepspeed_config) if use_trace_prior else NoTrace(TURNED_OFF)
+                                    deepspeed_config=deepspeed_config, device_type=backend.device.type,
+                                    ) if use_trace_prior else NoTrace(TURNED_OFF)
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
                                headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial, prior=prior)
         cached = False
@@ -179,7 +180,7 @@ def find_plan(
 
 def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: int | None = None,
                         allocator: str = "exact", deepspeed_config: dict[str, Any] | None = None,
-                        ) -> Callable[[int], float] | None:
+                        device_type: str = "cuda") -> Callable[[int], float] | None:
     """The sharded step traced on fake tensors as the search's prior, for :func:`probe_sharded`.
 
     A fake copy of the model is wrapped as ``strategy`` wraps it, on the probe's own fake
@@ -187,7 +188,8 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     batch as :func:`~autobatch.estimating.prior.trace_prior` replays a plain step. DDP's reducer
     reads its tensors' data, so ``ddp`` takes the plain step's trace (its buckets are a constant
     the calibration absorbs). ``None`` where the model cannot be copied onto fake tensors; a
-    trace that fails later makes the prior NaN, and the trials alone answer.
+    trace that fails later makes the prior NaN, and the trials alone answer. Mixed precision casts
+    as ``device_type``'s autocast does.
     """
     from .distributed.sharded_trial import run_sharded_trial
     from .estimating.estimate import fake_model
@@ -196,7 +198,7 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     from .modelinfo import min_batch_for
 
     if strategy.name == "ddp":
-        return try_trace_prior(workload, min_batch=min_batch, allocator=allocator)
+        return try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
     try:
         with torch.random.fork_rng(devices=[]):
             template = fake_model(workload.model, _mode_of(workload.model) or _new_fake_mode())
@@ -206,7 +208,8 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     first = min_batch if min_batch is not None else min_batch_for(template)
 
     def trace(batch: int, record: Any) -> tuple[float, float]:
-        backend = fake_backend(template, 1 << 62, log=record, fused_attention=not workload.grad_checkpointing)
+        backend = fake_backend(template, 1 << 62, log=record, fused_attention=not workload.grad_checkpointing,
+                               cuda_autocast=device_type == "cuda")
         return phase_peaks(run_sharded_trial(workload, template, strategy, backend, batch,
                                              deepspeed_config=deepspeed_config).trial)
 
@@ -245,7 +248,7 @@ def trace_prior_for(workload: Workload, backend: MemoryBackend, *, min_batch: in
     :func:`~autobatch.estimating.prior.try_trace_prior` with the allocator of :func:`booked_as`:
     ``None`` where the model cannot be copied onto fake tensors, and the trials alone search.
     """
-    return try_trace_prior(workload, min_batch=min_batch, allocator=booked_as(backend))
+    return try_trace_prior(workload, min_batch=min_batch, allocator=booked_as(backend), device_type=backend.device.type)
 
 
 def booked_as(backend: MemoryBackend) -> str:

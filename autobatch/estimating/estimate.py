@@ -164,16 +164,17 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
 
 
 def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_mode: Any,
-                fused_attention: bool = True, log: Any = None) -> Trial:
+                fused_attention: bool = True, log: Any = None, cuda_autocast: bool = True) -> Trial:
     """One fake trial: :func:`~autobatch.probing.trial.run_trial` on fake tensors. Bytes are exact tensor bytes.
 
     ``model`` must already be fake (see :func:`fake_model`) under the same ``fake_mode``. A
     ``log`` (:class:`~autobatch.estimating.replay.AllocationLog`) records every request and free.
+    ``cuda_autocast``: mixed precision casts as on a GPU (:mod:`.cuda_autocast`), else as on the CPU.
     """
     # Gradient checkpointing recomputes the forward in backward, where the fused route is not taken:
     # the two passes would save different tensors (torch refuses). The math path in both errs small.
     fused_attention = fused_attention and not workload.grad_checkpointing
-    raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention, log=log), batch)
+    raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast), batch)
     return replace(raw, seconds_per_step=None)
 
 

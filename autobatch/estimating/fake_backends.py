@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..probing.backends import DeviceInfo, SimulatedBackend
+from .cuda_autocast import cuda_policy
 
 __all__ = ["fake_backend", "gpu_attention_backend"]
 
@@ -99,12 +100,14 @@ class _FakeBackend(SimulatedBackend):
     ``reset_peak``/``peak``/``allocated_bytes`` are the simulated backend's own.
     """
 
-    def __init__(self, fake_mode: Any, fused_attention: bool, capacity: int = 1 << 62, log: Any = None):
+    def __init__(self, fake_mode: Any, fused_attention: bool, capacity: int = 1 << 62, log: Any = None,
+                 cuda_autocast: bool = True):
         # By default no budget: the search's capacity is the GPU's, not this one's. A sharded
         # trial (track_deferred) compares its peak with ``capacity`` at the step's end instead.
         super().__init__(capacity)
         self.fake_mode = fake_mode
         self.fused_attention = fused_attention
+        self.cuda_autocast = cuda_autocast  # mixed precision casts as on a GPU (else as on this CPU)
         if log is not None:  # an AllocationLog records each storage's request and free, in order
             self._tracker.allocator = log
 
@@ -118,6 +121,8 @@ class _FakeBackend(SimulatedBackend):
             stack.enter_context(self.fake_mode)
             if self.fused_attention:
                 stack.enter_context(_FusedAttention())
+            if self.cuda_autocast:
+                stack.enter_context(cuda_policy())
             self._tracker.add(resident)
             self._tracker.reset_peak()
             stack.enter_context(self._tracker)
@@ -131,21 +136,24 @@ class _FakeBackend(SimulatedBackend):
             stack.enter_context(_ZeroScalars())
             if self.fused_attention:
                 stack.enter_context(_FusedAttention())
+            if self.cuda_autocast:
+                stack.enter_context(cuda_policy())
             stack.enter_context(super().track_deferred(resident))
             yield
 
 
 class _GpuAttention(SimulatedBackend):
-    """A simulated budget on real CPU tensors whose trials run attention as a GPU would (fused)."""
+    """A simulated budget on real CPU tensors whose trials run attention as a GPU would (fused),
+    in mixed precision cast as a GPU casts it."""
 
     @contextmanager
     def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-        with _FusedAttention(), super().track(resident):
+        with _FusedAttention(), cuda_policy(), super().track(resident):
             yield
 
     @contextmanager
     def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-        with _FusedAttention(), super().track_deferred(resident):
+        with _FusedAttention(), cuda_policy(), super().track_deferred(resident):
             yield
 
 
@@ -156,7 +164,7 @@ def gpu_attention_backend(capacity: int) -> SimulatedBackend:
 
 
 def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool = True,
-                 log: Any = None) -> SimulatedBackend | None:
+                 log: Any = None, cuda_autocast: bool = True) -> SimulatedBackend | None:
     """A backend whose trials run ``model``'s step on fake tensors against ``capacity``; ``None``
     when ``model`` is not built on fake tensors (see :func:`load_fake_model`).
 
@@ -165,7 +173,7 @@ def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool
     (:class:`~autobatch.estimating.replay.AllocationLog`) records every request and free.
     """
     mode = _mode_of(model)
-    return None if mode is None else _FakeBackend(mode, fused_attention, capacity, log=log)
+    return None if mode is None else _FakeBackend(mode, fused_attention, capacity, log=log, cuda_autocast=cuda_autocast)
 
 
 def _new_fake_mode() -> Any:

@@ -43,7 +43,8 @@ _FIT = 4    # traces the size laws are fitted through (three) and checked agains
 log = logging.getLogger("autobatch.estimating.prior")
 
 
-def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact") -> Callable[[int], float]:
+def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",
+                device_type: str = "cuda") -> Callable[[int], float]:
     """The traced peak (bytes) at any batch, for ``search_max(..., prior=...)`` or ``probe(..., prior=...)``.
 
     The fake copy of the model is made now, while the model is where its owner left it (a probe
@@ -63,6 +64,8 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
             models with BatchNorm (which cannot train on one sample), else 1.
         allocator: ``"caching"`` for a CUDA device (or a simulated one with its allocator model),
             ``"exact"`` for the simulated budget's exact bytes.
+        device_type: where the trials run, whose autocast casts the trace follows (``"cuda"``:
+            a GPU's, ``"cpu"``: a simulated budget's).
 
     Example:
         >>> import torch, autobatch
@@ -86,7 +89,8 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
 
     def trace(batch: int, record: AllocationLog) -> tuple[float, float]:
         with torch.random.fork_rng(devices=[]):
-            return phase_peaks(trace_trial(workload, model, batch, fake_mode=mode, log=record))
+            return phase_peaks(trace_trial(workload, model, batch, fake_mode=mode, log=record,
+                                           cuda_autocast=device_type == "cuda"))
 
     return replayed_prior(trace, first, allocator=allocator, name=workload.name)
 
@@ -172,7 +176,7 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
 
 
 def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
-                    allocator: str = "exact") -> GuardedPrior | None:
+                    allocator: str = "exact", device_type: str = "cuda") -> GuardedPrior | None:
     """:func:`trace_prior`, or a prior that says why not where the model cannot be copied onto fake tensors.
 
     A trace that fails later (at some batch) makes the prior answer NaN from then on, which
@@ -189,7 +193,7 @@ def try_trace_prior(workload: Workload, *, min_batch: int | None = None,
     """
     start = time.perf_counter()
     try:
-        prior = trace_prior(workload, min_batch=min_batch, allocator=allocator)
+        prior = trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
     except Exception as exc:  # any failure only costs the prior: the trials still answer, and say why
         log.debug("no trace prior for %s (%s: %s); the search uses its trials alone",
                   workload.name, type(exc).__name__, exc)

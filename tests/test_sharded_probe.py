@@ -184,7 +184,7 @@ def test_fsdp_and_zero_on_fake_tensors_take_the_same_trials_as_real_steps() -> N
 
 
 def test_a_sharded_estimate_takes_the_allocator_overheads_off_the_card_as_one_gpus_does() -> None:
-    # A traced step books exact tensor bytes; a GPU's allocator reserves ×1.05 of them and the libraries
+    # A traced step books exact tensor bytes; a GPU's allocator reserves ×1.10 of them and the libraries
     # keep 64 MiB of workspaces. The sharded estimate's budget is what is left of the card's usable memory.
     from autobatch import Overheads, Request, answer
     from autobatch.estimating.gpus import custom_gpu
@@ -195,7 +195,7 @@ def test_a_sharded_estimate_takes_the_allocator_overheads_off_the_card_as_one_gp
 
     usable = custom_gpu("600MiB").usable_bytes
     result, bare = probe(), probe(fragmentation=1.0, workspace=1)  # one byte: the least a size may be
-    budget = Overheads(fragmentation=1.05, workspace_bytes=64 << 20).allocatable(usable)
+    budget = Overheads(fragmentation=1.10, workspace_bytes=64 << 20).allocatable(usable)
     assert result.capacity_bytes == budget and bare.capacity_bytes == usable - 1
     top = {t.batch: t for t in result.trials}
     assert top[result.max_batch].reserved_bytes <= budget < top[result.max_batch + 1].reserved_bytes

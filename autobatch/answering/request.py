@@ -96,7 +96,7 @@ class Request:
     gpu: str | None = None
     gpu_memory: int | str | None = None
     estimate: bool | None = None
-    fragmentation: float = 1.05
+    fragmentation: float = 1.10
     workspace: int | str = "64MiB"
     # search and cache
     cache: bool = False

@@ -1,0 +1,47 @@
+"""The GPU run's report and the wall-time benchmark: generated tables, not typed ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import gpu, wall
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "docs/benchmarks/gpu.json"
+
+
+def _rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| model")]
+
+
+def test_the_gpu_report_puts_every_find_beside_its_estimates(tmp_path):
+    text = gpu.report(RECORD, tmp_path / "gpu.md", estimate=lambda command: {"max_batch": 100, "safe_batch": 95})
+    record = json.loads(RECORD.read_text())
+    finds = [r for r in record["runs"] if " find " in f" {r['command']} "]
+    rows = _rows(text)
+    assert len(rows) == len(finds) == 4
+    gpt2 = rows[0]
+    assert gpt2[:3] == ["gpt2", "fp32", "74"] and gpt2[7] == "76" and gpt2[8] == "+2.7%" and gpt2[-1] == "+35.1%"
+    assert [r[2] for r in rows] == ["74", "93", "348", "timeout (55 s)"]
+
+
+def test_the_committed_gpu_table_is_the_reports_own(tmp_path):
+    # Everything but this checkout's estimate (the last three columns, made when it is written).
+    text = gpu.report(RECORD, tmp_path / "gpu.md", estimate=lambda command: None)
+    committed = (ROOT / "docs/benchmarks/gpu.md").read_text()
+    assert [r[:-3] for r in _rows(text)] == [r[:-3] for r in _rows(committed)]
+
+
+def test_the_gpu_block_is_the_one_the_run_takes():
+    assert [c for c in gpu.commands() if c.startswith("autobatch find")][0].startswith("autobatch find --model gpt2")
+
+
+def test_the_wall_benchmark_times_both_searches_and_writes_its_table(tmp_path):
+    rows = wall.main(["--device", "cpu", "--cases", "tiny-gpt2", "--out", str(tmp_path)])
+    (row,) = rows
+    assert row["trace"]["max_batch"] == row["trials"]["max_batch"] > 0
+    assert row["trace"]["trace_prior"]["led"] is True and row["trials"]["trace_prior"]["led"] is False
+    text = (tmp_path / "wall_cpu.md").read_text()
+    assert "| tiny-gpt2 |" in text and "--out" not in text and "Total wall time" in text

@@ -128,3 +128,28 @@ def test_the_examples_run():
 def test_the_rules_name_ops_cuda_registers(name):
     # The lists are read from torch's header by hand: each name must be an op CUDA's autocast has.
     assert any(op.split(".")[0] == name for op in cuda_autocast._overloads("AutocastCUDA"))
+
+
+def test_a_thread_outside_the_policy_keeps_the_cpus_rules_while_another_is_inside():
+    import threading
+
+    inside, outside = threading.Event(), threading.Event()
+    seen: dict[str, dict[str, torch.dtype]] = {}
+
+    def trace():
+        with torch.autocast("cpu", dtype=BF16), cuda_policy():
+            inside.set()
+            outside.wait(10)
+            seen["inside"] = _dtypes()
+
+    with torch.autocast("cpu", dtype=BF16):
+        cpu_rules = _dtypes()
+    thread = threading.Thread(target=trace)
+    thread.start()
+    inside.wait(10)
+    with torch.autocast("cpu", dtype=BF16):
+        seen["outside"] = _dtypes()  # the kernels are replaced now, for every thread
+    outside.set()
+    thread.join()
+    assert seen["outside"] == cpu_rules
+    assert seen["inside"] == CUDA_RULES

@@ -15,7 +15,9 @@ CPU casts to float32 (linear algebra, FFT, 3-D pooling) keep the CPU's rule: tha
 the estimate errs small. The lower-precision casts of ops the CPU does not cast are not cached
 across a step as CUDA caches weight casts (those ops are rare in models: ``einsum``, ``mv``).
 
-The kernels are registered globally for the time the context is entered (nested entries share them).
+The kernels are registered for the whole process while any thread is inside the context (nested
+entries share them); a thread outside it keeps the CPU's rules, so a trace beside real CPU trials
+(:mod:`.background`) leaves the trials' casts alone.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ _CPU_ONLY = ("cross_entropy_loss",)
 
 _LOWER = (torch.float16, torch.bfloat16)
 _lock = threading.Lock()
+_local = threading.local()  # how deep this thread is inside cuda_policy()
 _entered = 0
 _library: Any = None
 
@@ -90,16 +93,18 @@ def _no_autocast() -> Any:
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
 
 
-def _kernel(op: Any, rule: str):
+def _kernel(op: Any, rule: str, cpu_rule: str):
+    """The op's kernel for the ``AutocastCPU`` key: ``rule`` (CUDA's) in a thread inside
+    :func:`cuda_policy`, ``cpu_rule`` (what the CPU's own kernel did) in any other thread."""
     names = [a.name for a in op._schema.arguments]
     dtype_at = names.index("dtype") if "dtype" in names else None
 
-    def to_fp32(*args, **kwargs):
+    def to_fp32(keyset, *args, **kwargs):
         args, kwargs = _cast_all(args, kwargs, torch.float32, only_lower=True)
         with _no_autocast():
             return op(*args, **kwargs)
 
-    def fp32_by_dtype(*args, **kwargs):
+    def fp32_by_dtype(keyset, *args, **kwargs):
         given = kwargs.get("dtype") if dtype_at is None or len(args) <= dtype_at else args[dtype_at]
         with _no_autocast():
             if given is None and _eligible(args[0]):
@@ -109,7 +114,7 @@ def _kernel(op: Any, rule: str):
                     kwargs = {**kwargs, "dtype": torch.float32}
             return op(*args, **kwargs)
 
-    def to_lower(*args, **kwargs):
+    def to_lower(keyset, *args, **kwargs):
         args, kwargs = _cast_all(args, kwargs, torch.get_autocast_dtype("cpu"))
         with _no_autocast():
             return op(*args, **kwargs)
@@ -118,7 +123,13 @@ def _kernel(op: Any, rule: str):
         # Past the autocast key for this op alone: the ops it decomposes into are cast as usual.
         return op.redispatch(keyset.remove(torch._C.DispatchKey.AutocastCPU), *args, **kwargs)
 
-    return {"fp32": to_fp32, "fp32_by_dtype": fp32_by_dtype, "lower": to_lower, "as_is": as_is}[rule]
+    rules = {"fp32": to_fp32, "fp32_by_dtype": fp32_by_dtype, "lower": to_lower, "as_is": as_is}
+    cuda, cpu = rules[rule], rules[cpu_rule]
+
+    def kernel(keyset, *args, **kwargs):
+        return (cuda if getattr(_local, "inside", 0) else cpu)(keyset, *args, **kwargs)
+
+    return kernel
 
 
 def _rule(overload: str, cpu_casts: set[str]) -> str | None:
@@ -144,9 +155,12 @@ def _register() -> Any:
         op = getattr(getattr(torch.ops.aten, base), overload or "default")
         if op._schema.is_mutable or any(a.is_out for a in op._schema.arguments):
             continue
+        # Other threads keep the CPU's rule: float32 where its own kernel cast (its list has no
+        # lower-precision op this replaces), else none.
+        cpu_rule = "fp32" if name in cpu_casts else "as_is"
         with warnings.catch_warnings():  # torch warns that a kernel is replaced: that is the point
             warnings.simplefilter("ignore")
-            library.impl(name, _kernel(op, rule), "AutocastCPU", with_keyset=rule == "as_is")
+            library.impl(name, _kernel(op, rule, cpu_rule), "AutocastCPU", with_keyset=True)
     return library
 
 
@@ -165,9 +179,11 @@ def cuda_policy() -> Iterator[None]:
         if _entered == 0:
             _library = _register()
         _entered += 1
+    _local.inside = getattr(_local, "inside", 0) + 1
     try:
         yield
     finally:
+        _local.inside -= 1
         with _lock:
             _entered -= 1
             if _entered == 0:

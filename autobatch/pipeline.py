@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError
+from .estimating.background import TracedBeside, beside
 from .estimating.prior import GuardedPrior, try_trace_prior
 from .planning.plan import Plan
 from .planning.solver import solve
@@ -242,12 +243,18 @@ def data_parallel_ranks(gpus_per_node: int, nodes: int = 1, model_parallel: int 
     return max(1, gpus_per_node * nodes // max(1, model_parallel))
 
 
-def trace_prior_for(workload: Workload, backend: MemoryBackend, *, min_batch: int | None = None) -> GuardedPrior | None:
-    """The fake-tensor trace as the prior of a probe on ``backend``, booked as ``backend`` books memory.
+def trace_prior_for(workload: Workload, backend: MemoryBackend, *,
+                    min_batch: int | None = None) -> TracedBeside | GuardedPrior | None:
+    """The fake-tensor trace as the prior of a probe on ``backend``, booked as ``backend`` books memory;
+    on a GPU traced beside the trials (:mod:`~autobatch.estimating.background`), leading once ready.
 
     :func:`~autobatch.estimating.prior.try_trace_prior` with the allocator of :func:`booked_as`:
     ``None`` where the model cannot be copied onto fake tensors, and the trials alone search.
+    On a simulated budget the trials run on the same CPU as the trace, so there it traces first,
+    when the search first asks, as before.
     """
+    if backend.device.type == "cuda":
+        return beside(workload, min_batch=min_batch, allocator=booked_as(backend), device_type="cuda")
     return try_trace_prior(workload, min_batch=min_batch, allocator=booked_as(backend), device_type=backend.device.type)
 
 

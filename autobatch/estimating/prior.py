@@ -101,6 +101,26 @@ def phase_peaks(trial: Trial) -> tuple[float, float]:
             float(trial.optimizer_bytes or trial.reserved_bytes))
 
 
+def _grid(first: int) -> list[int]:
+    # A batch of one often takes other paths (a dimension of one is squeezed, a copy skipped):
+    # fit from two up, and read the replay at one.
+    grid = [max(first, 2)]
+    while len(grid) < _FIT + 1:
+        grid.append(next(g for g in (_GRID ** k for k in range(1, 64)) if g > grid[-1]))
+    return grid
+
+
+def warm_batches(first: int) -> tuple[int, int]:
+    """Two batches whose prior values make every trace the prior needs: the laws' (asked at
+    ``first``) and the one that checks them (asked past the last batch they were fitted at).
+
+    Example:
+        >>> warm_batches(1)
+        (1, 17)
+    """
+    return first, _grid(first)[_FIT - 2] + 1
+
+
 def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], first: int, *,
                    allocator: str = "exact", name: str = "the model") -> Callable[[int], float]:
     """The prior from any traced step: ``trace(batch, log)`` runs it at ``batch``, recording its
@@ -112,11 +132,7 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
     the traces differ in shape, the phases' peaks are joined by lines.
     """
     check_allocator(allocator)
-    # A batch of one often takes other paths (a dimension of one is squeezed, a copy skipped):
-    # fit from two up, and read the replay at one.
-    grid = [max(first, 2)]
-    while len(grid) < _FIT + 1:
-        grid.append(next(g for g in (_GRID ** k for k in range(1, 64)) if g > grid[-1]))
+    grid = _grid(first)
     peaks: dict[int, tuple[float, float]] = {}
     logs: dict[int, AllocationLog] = {}
     replayed: dict[int, float] = {}
@@ -172,6 +188,7 @@ def replayed_prior(trace: Callable[[int, AllocationLog], tuple[float, float]], f
         return max(y0 + (y1 - y0) * t for y0, y1 in zip(traced(low), traced(high)))
 
     prior.traced = peaks  # type: ignore[attr-defined]  # the batches traced so far, for GuardedPrior.report
+    prior.first = first  # type: ignore[attr-defined]  # the smallest batch, for warm_batches
     return prior
 
 
@@ -224,6 +241,7 @@ class GuardedPrior:
         self._prior, self.name = prior, name
         self.seconds = 0.0
         self.failure: str | None = None
+        self.first: int = getattr(prior, "first", 1)  # the smallest batch it traces
 
     def __call__(self, batch: int) -> float:
         if self.failure is not None:

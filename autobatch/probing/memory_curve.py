@@ -205,7 +205,8 @@ def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int]
         # Where the prior is nearly straight over the points, scale and per-sample bytes cannot be
         # told apart: its slopes over the two spans must differ by a twentieth.
         slopes = (d1[1] / d1[2], d2[1] / d2[2])
-        if abs(slopes[1] - slopes[0]) >= _CURVED * max(map(abs, slopes)):
+        # (A prior flat over all three has no slope to tell anything by.)
+        if max(map(abs, slopes)) > 0 and abs(slopes[1] - slopes[0]) >= _CURVED * max(map(abs, slopes)):
             beta = (d1[0] * d2[2] - d2[0] * d1[2]) / det
             gamma = (d1[1] * d2[0] - d2[1] * d1[0]) / det
             if 0.25 <= beta <= 4:

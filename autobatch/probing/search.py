@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .memory_curve import (
     Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, ladder, predict_batch,
@@ -87,6 +88,13 @@ class _Search:
         self.growing: dict[int, int] = {}  # the same where forward+backward, not the optimizer, set it
         self.resident: int | None = None
         self.trials: list[Trial] = []
+        self.pending: Any = None  # a prior traced beside the trials, until it is ready (see adopt)
+
+    def adopt(self) -> None:
+        """Take a prior traced beside the trials once it is ready: it leads from the next trial on."""
+        if self.pending is not None and self.pending.ready():
+            self.prior, self.pending = self.pending, None
+            self.prior.from_trial = len(self.trials)
 
     @property
     def upper(self) -> int:
@@ -219,6 +227,7 @@ class _Search:
         at_step = False  # drop is the step itself, tried once after the batch just below it fit
         misses_below = 0  # batches just below a step that failed running (at two, the model is asked again)
         while not self.done:
+            self.adopt()
             if drop is not None:
                 batch, drop = self.clamp(drop), None
                 if self.attempt(batch):
@@ -350,7 +359,14 @@ def search_max(
         [1, 128, 129]
     """
     cap = HARD_MAX_BATCH if max_batch is None else max_batch
-    search = _Search(run, capacity, min_batch, cap, None if isinstance(prior, NoTrace) else prior)
+    # A prior traced beside the trials (it has ready() and stop()) leads once it is ready.
+    beside = prior if callable(getattr(prior, "ready", None)) else None
+    search = _Search(run, capacity, min_batch, cap, None if isinstance(prior, NoTrace) or beside else prior)
+    search.pending = beside
     if fails_at is not None:
         search.hi = max(min_batch, fails_at)
-    return search.search([t for t in known if min_batch <= t.batch <= cap])
+    try:
+        return search.search([t for t in known if min_batch <= t.batch <= cap])
+    finally:
+        if beside is not None:
+            beside.stop()

@@ -1,0 +1,142 @@
+"""The trace beside the trials (autobatch/estimating/background.py): the search takes its lead once it
+is ready, never waits for it, and nothing it does outlives the probe."""
+
+from __future__ import annotations
+
+import doctest
+import threading
+import time
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+import autobatch
+from autobatch.estimating import background
+from autobatch.estimating.background import NOT_READY, TracedBeside, beside
+from autobatch.estimating.prior import GuardedPrior
+from autobatch.pipeline import find_plan
+from autobatch.probing.backends import CudaBackend
+from autobatch.probing.probe import prior_report
+from autobatch.probing.search import search_max
+from autobatch.probing.trial import Trial
+from tests.emulated_cuda import emulated_cuda  # noqa: F401 - the fixture
+from tests.tiny import mlp, mlp_workload
+
+
+def oracle(b: int) -> Trial:
+    return Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
+
+
+class Beside:
+    """A prior traced beside the trials, ready after ``after`` questions (the search asks once a trial)."""
+
+    def __init__(self, after: int | None):
+        self.after, self.asked, self.stopped, self.from_trial = after, 0, False, None
+
+    def ready(self) -> bool:
+        self.asked += 1
+        return self.after is not None and self.asked > self.after
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def __call__(self, batch: int) -> float:
+        return 100 + 7 * batch
+
+
+def batches(outcome) -> list[int]:
+    return [t.batch for t in outcome.trials]
+
+
+def test_a_prior_ready_at_once_leads_as_a_traced_prior_does():
+    prior = Beside(after=0)
+    outcome = search_max(oracle, 1000, prior=prior)
+    assert batches(outcome) == batches(search_max(oracle, 1000, prior=lambda b: 100 + 7 * b)) == [1, 128, 129]
+    assert prior.from_trial == 1 and prior.stopped
+
+
+def test_a_prior_never_ready_leaves_the_trials_alone_and_is_stopped():
+    prior = Beside(after=None)
+    outcome = search_max(oracle, 1000, prior=prior)
+    assert batches(outcome) == batches(search_max(oracle, 1000)) == [1, 16, 69, 128, 129]
+    assert prior.from_trial is None and prior.stopped
+
+
+def test_a_prior_ready_midway_leads_from_then_on_and_the_answer_stays_exact():
+    prior = Beside(after=1)
+    outcome = search_max(oracle, 1000, prior=prior)
+    assert outcome.max_batch == 128 and batches(outcome)[-2:] == [128, 129]
+    assert batches(outcome)[:2] == [1, 16]  # the trials alone until it was ready
+    assert prior.from_trial == 2 and len(outcome.trials) <= 5
+
+
+def test_a_trace_still_running_when_the_search_ends_is_cancelled_and_never_waited_for():
+    started = threading.Event()
+
+    def endless(batch: int) -> float:
+        started.set()
+        while True:  # a trace that would never end: every torch call checks the stop
+            torch.zeros(1)
+
+    prior = TracedBeside(GuardedPrior(endless, "endless"), [1])
+    started.wait(10)
+    start = time.perf_counter()
+    outcome = search_max(oracle, 1000, prior=prior)
+    assert outcome.max_batch == 128 and batches(outcome) == [1, 16, 69, 128, 129]
+    assert time.perf_counter() - start < 5 and prior.cancelled
+    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    record = prior_report(prior)["trace_prior"]
+    assert record["led"] is False and record["reason"] == NOT_READY and record["failure"] is None
+
+
+def _slow_steps():
+    # Trials that take a second a step while the trace (on fake tensors) does not wait: the trace
+    # is ready long before the second trial.
+    def loss_fn(model, batch):
+        x, y = batch
+        if not isinstance(x, FakeTensor):
+            time.sleep(0.5)
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return autobatch.Workload(mlp, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), loss_fn=loss_fn)
+
+
+def test_on_a_real_probe_the_trace_beside_leads_and_leaves_nothing_behind():
+    work = _slow_steps()
+    state = torch.get_rng_state()
+    prior = beside(work, device_type="cpu")
+    result = autobatch.probe(work, autobatch.SimulatedBackend("2MiB"), prior=prior, headroom=0)
+    alone = autobatch.probe(work, autobatch.SimulatedBackend("2MiB"), headroom=0)
+    assert result.max_batch == alone.max_batch
+    record = result.trace_record
+    assert record["led"] is True and record["from_trial"] >= 1 and len(result.trials) <= len(alone.trials)
+    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_model_passed_in_is_bit_identical_after_a_probe_traced_beside():
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    work = mlp_workload(model)
+    autobatch.probe(work, autobatch.SimulatedBackend("2MiB"), prior=beside(work, device_type="cpu"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_find_on_a_gpu_traces_beside_its_trials(emulated_cuda):  # noqa: F811 - the fixture
+    finding = find_plan(mlp_workload(), backend=CudaBackend(), max_batch=256, headroom=0)
+    record = finding.probe.trace_record
+    assert "from_trial" in record and record["failure"] is None
+    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_examples_run():
+    assert doctest.testmod(background).failed == 0
+
+
+def test_a_prior_flat_over_the_three_largest_fits_calibrates_by_its_offset():
+    # A prior that took the lead after three trials can be flat over all of them (a staircase's
+    # step, or a trace that books the same bytes there): no slope to scale by, and no division by it.
+    from autobatch.probing.memory_curve import calibrate
+
+    curve = calibrate(lambda b: 1000.0, {10: 500, 20: 600, 30: 700})
+    assert curve(30) == 700 and curve(40) >= 700

@@ -42,7 +42,7 @@ from ..probing.workload import Workload, resolve_dtype
 # An estimate's extra["trace_prior"]["reason"]: its trials are traces, there are no real ones to lead.
 IS_THE_TRACE = "an estimate's trials are the trace itself"
 from ..units import format_bytes
-from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
+from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode, _ZeroScalars
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads
 
@@ -123,7 +123,9 @@ def fake_model(model: torch.nn.Module | Callable[[], torch.nn.Module], fake_mode
     left untouched.
     """
     if not isinstance(model, torch.nn.Module):
-        with fake_mode, working(f"building {getattr(model, '__name__', 'the model')} on fake tensors"):
+        # Weight initialisers read values (a truncated normal checks its bounds): on fake tensors
+        # they read a stand-in, since no value changes what the weights take.
+        with fake_mode, _ZeroScalars(), working(f"building {getattr(model, '__name__', 'the model')} on fake tensors"):
             built = model()
         if not isinstance(built, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(built).__name__}")

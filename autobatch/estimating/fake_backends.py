@@ -56,8 +56,10 @@ class _ZeroScalars(TorchDispatchMode):
     """A fake tensor read as a Python value (``.item()``, ``bool(t)``) reads one, or False.
 
     Wrappers read their gradients' norm (is it finite?) and their optimizer's step count between
-    steps; a trace has no values. One (and False for a flag) takes the path of a normal step
-    without overflow, whose memory is the one that counts, and divides by nothing that is zero.
+    steps, Adafactor its step count, weight initialisers their bounds; a trace has no values. One
+    (and False for a flag) takes the path of a normal step without overflow, whose memory is the
+    one that counts, and divides by nothing that is zero. A model whose forward branches on a
+    value is traced down the branch that value takes; the trials then correct the prior.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -119,6 +121,7 @@ class _FakeBackend(SimulatedBackend):
         with ExitStack() as stack:
             stack.enter_context(_quiet_fake_tensor_log())
             stack.enter_context(self.fake_mode)
+            stack.enter_context(_ZeroScalars())  # Adafactor reads its step count: a stand-in value
             if self.fused_attention:
                 stack.enter_context(_FusedAttention())
             if self.cuda_autocast:

@@ -1,0 +1,42 @@
+"""Values a trace cannot have (issue: data-dependent operations): Adafactor's step count and weight
+initialisers that read their bounds no longer stop the fake-tensor trace; the trace still counts
+every byte the real step takes."""
+
+from __future__ import annotations
+
+import torch
+
+import autobatch
+from autobatch.estimating.estimate import fake_model, trace_trial
+from autobatch.estimating.fake_backends import _new_fake_mode
+from tests.extras import need
+
+
+def _mlp_adafactor() -> autobatch.Workload:
+    return autobatch.Workload(lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)),
+                              lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), optimizer="adafactor")
+
+
+def test_adafactor_is_traced_byte_for_byte_as_its_real_step_runs():
+    work = _mlp_adafactor()
+    mode = _new_fake_mode()
+    traced = trace_trial(work, fake_model(work.model, mode), 8, fake_mode=mode, fused_attention=False)
+    torch.manual_seed(0)
+    real = autobatch.run_trial(work, work.model(), autobatch.SimulatedBackend(1 << 40), 8)
+    assert traced.fits and traced.peak_bytes == real.peak_bytes
+    assert traced.optimizer_bytes == real.optimizer_bytes
+
+
+def test_an_adafactor_estimate_answers():
+    est = autobatch.estimate(_mlp_adafactor(), gpu_memory="2GiB", overheads=autobatch.Overheads.none(), headroom=0)
+    assert est.max_batch > 0 and est.trace_record["led"] is False  # an estimate: its trials are the trace
+
+
+def test_a_model_whose_initialiser_reads_values_is_built_on_fake_tensors():
+    transformers = need("transformers")
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                    image_size=32, patch_size=8, num_labels=10)
+    work = autobatch.Workload(lambda: transformers.ViTForImageClassification(config),
+                              lambda b: {"pixel_values": torch.randn(b, 3, 32, 32), "labels": torch.randint(0, 10, (b,))})
+    prior = autobatch.estimating.prior.try_trace_prior(work, device_type="cpu")
+    assert prior(4) > 0 and prior.failure is None

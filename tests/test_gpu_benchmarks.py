@@ -50,3 +50,9 @@ def test_the_wall_benchmark_times_both_searches_and_writes_its_table():
     text = wall.markdown([{"case": case.name, "kind": case.kind, **runs}], device="cpu", dtype="fp32", cap=None,
                          argv=["--device", "cpu"])
     assert f"| {case.name} |" in text and "Total wall time" in text
+
+
+def test_the_search_guides_wall_table_is_the_one_the_benchmark_wrote():
+    written = [line for line in (ROOT / "docs/benchmarks/wall_cpu.md").read_text().splitlines() if line.startswith("|")]
+    guide = (ROOT / "docs/search.md").read_text()
+    assert len(written) >= 2 + 5 and "\n".join(written) in guide

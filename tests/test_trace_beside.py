@@ -140,3 +140,13 @@ def test_a_prior_flat_over_the_three_largest_fits_calibrates_by_its_offset():
 
     curve = calibrate(lambda b: 1000.0, {10: 500, 20: 600, 30: 700})
     assert curve(30) == 700 and curve(40) >= 700
+
+
+def test_the_report_says_from_which_trial_the_trace_led():
+    from autobatch.probing.result import trace_record
+
+    said = trace_record({"led": True, "reason": None, "from_trial": 1, "traced_batches": [2, 4, 16], "seconds": 1.5,
+                         "failure": None})
+    result = autobatch.probe(mlp_workload(), autobatch.SimulatedBackend("2MiB"))
+    line = type(result)(**{**result.__dict__, "extra": {"trace_prior": said}}).trace_line()
+    assert line.startswith("led by the fake-tensor trace from trial 2 on (traced beside the trials: traced at batches 2, 4, 16")

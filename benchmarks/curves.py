@@ -36,6 +36,7 @@ from autobatch.probing.trial import Trial
 
 __all__ = [
     "Curve", "FAMILIES", "SEARCHES", "SMOOTH", "curves", "oracle", "true_max", "doubling_bisection", "measure", "Stats",
+    "wrong_priors", "measure_wrong",
     "markdown", "main",
 ]
 
@@ -222,6 +223,37 @@ def curves(coarse: bool = False) -> Iterator[Curve]:
                     scale = target + rng.uniform(0.05, 0.95)
                     for family, variant, kwargs in _families(scale, rng):
                         yield Curve(family, variant, capacity, int(capacity * static), min_batch, scale, **kwargs)
+
+
+def wrong_priors(curve: Curve) -> dict[str, Callable[[int], float]]:
+    """Priors wrong as a trace can be wrong, for the staircase and kink families: 10 % low or high, the
+    constant term half missed, a kink missed (the trace's slope without the algorithm's switch), the
+    allocator model off by a 2 MiB block at some batches, its steps a batch early."""
+    prior = curve.prior
+    wrong: dict[str, Callable[[int], float]] = {
+        "10% low": lambda b: 0.9 * prior(b),
+        "10% high": lambda b: 1.1 * prior(b),
+        "no constant": lambda b, c=prior(1): max(1.0, prior(b) - 0.5 * c),
+    }
+    if curve.family == "b·log b, kinks" and curve.variant != "0.1 + 0.9·b·log b":
+        wrong["missed kink"] = replace(curve, prior_shape=lambda x: 0.1 + 0.9 * x).prior
+    if curve.family == "staircase":
+        wrong["2 MiB off"] = lambda b: prior(b) + 2 * MIB * ((b * 7919) % 3)
+        wrong["steps early"] = lambda b: prior(b + 1)
+    return wrong
+
+
+def measure_wrong(coarse: bool = True) -> dict[str, Stats]:
+    """``search_max`` led by each wrong prior on the staircase and kink curves: stats by kind of error."""
+    results: dict[str, Stats] = {}
+    for curve in curves(coarse):
+        if curve.family not in ("staircase", "b·log b, kinks"):
+            continue
+        truth = true_max(curve)
+        for name, prior in wrong_priors(curve).items():
+            outcome = search_max(oracle(curve), curve.capacity, min_batch=curve.min_batch, prior=prior)
+            results.setdefault(f"{curve.family}: {name}", Stats()).add(outcome, truth, len(outcome.trials))
+    return results
 
 
 # --- measuring --------------------------------------------------------------------------------

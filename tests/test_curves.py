@@ -82,3 +82,27 @@ def test_main_writes_the_tables_under_the_marker_and_keeps_the_text_above(result
     text = out.read_text()
     assert text.startswith("# hand-written") and "stale" not in text
     assert all(f"### {name}" in text for name in results) and "| superlinear |" in text
+
+
+@pytest.fixture(scope="module")
+def wrong():
+    from benchmarks.curves import measure_wrong
+
+    return measure_wrong(coarse=True)
+
+
+def test_priors_wrong_as_a_trace_can_be_still_lead_to_the_exact_answer_in_few_trials(wrong):
+    # Staircases and kinks led by a prior 10 % low or high, missing half its constant, missing a
+    # kink, its allocator model off by a block at some batches or stepping a batch early.
+    assert len(wrong) == 2 * 3 + 1 + 2
+    for name, stats in wrong.items():
+        row = stats.row()
+        assert stats.exact == stats.curves > 100, name
+        assert row["p90"] <= 8 and row["max"] <= 16, (name, row)
+        assert row["largest tried ÷ answer"] <= 2.5, (name, row)
+    # Every failure beyond the one that closes the bracket is a trial the prior misled: at most one
+    # in two curves, except where it misses a kink (it says a batch fits past the kink) or steps
+    # early (the first step it names fails): there at most two in three (measured 1.64 and 1.53).
+    for name, stats in wrong.items():
+        bound = 1.7 if name.endswith(("missed kink", "steps early")) else 1.5
+        assert stats.row()["mean OOM trials"] <= bound, (name, stats.row())

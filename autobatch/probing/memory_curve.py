@@ -45,9 +45,11 @@ def fit_line(points: dict[int, int]) -> tuple[float, float] | None:
     return points[anchor] - slope * anchor, slope
 
 
-def _partner(points: dict[int, int] | Sequence[int]) -> int:
+def _partner(points: dict[int, int] | Sequence[int], spacing: int = 4) -> int:
+    """The point a slope is read against: the largest at least ``1/spacing`` of the batch below the
+    largest (close points read an allocator's rounding as slope), else the smallest."""
     anchor = max(points)
-    spaced = [b for b in points if b <= anchor - max(1, anchor // 4)]
+    spaced = [b for b in points if b <= anchor - max(1, anchor // spacing)]
     return max(spaced) if spaced else min(points)
 
 
@@ -185,13 +187,14 @@ def ladder(points: dict[int, int], resident: int | None) -> Curve | None:
     return None if slope <= 0 else (lambda b: ya + slope * (b - anchor))
 
 
-def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int] = ()) -> Curve:
+def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int] = (), local: bool = False) -> Curve:
     """``prior`` moved onto the measured peaks: ``α + β·prior(b) + γ·b`` through the largest ones.
 
     One point fixes the offset ``α``; two also the scale ``β`` (a proportional error); three
     also ``γ`` (a per-sample error the trace cannot see, such as a kernel's workspace): the
     prior then only has to have the right curvature. The largest points count: near the
-    boundary is where the curve has to be right.
+    boundary is where the curve has to be right. ``local`` (a prior that failed near the boundary,
+    so it misses a kink there): its error per sample is read over the last 1/64 of the batch, not 1/4.
     """
     top = sorted(totals)[-3:]
     ys = [totals[b] for b in top]
@@ -215,7 +218,9 @@ def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int]
     anchor = max(totals)
     scale = per_sample = 0.0
     if len(totals) >= 2:
-        partner = _partner(totals)
+        # Local: the prior has failed near the boundary, so its slope far below it is not the slope
+        # there (a kink it misses): read its error per sample over the last 1/64 of the batch, not 1/4.
+        partner = _partner(totals, 64 if local else 4)
         if partner in proportional:
             spread = prior(anchor) - prior(partner)
             if spread > 0:

@@ -89,6 +89,7 @@ class _Search:
         self.resident: int | None = None
         self.trials: list[Trial] = []
         self.pending: Any = None  # a prior traced beside the trials, until it is ready (see adopt)
+        self.local = False  # a smooth prior failed: calibrate it near the boundary (memory_curve.calibrate)
 
     def adopt(self) -> None:
         """Take a prior traced beside the trials once it is ready: it leads from the next trial on."""
@@ -163,7 +164,7 @@ class _Search:
         # Where the optimizer step set a point's peak, the curve changes regime after it: its
         # error there says how many bytes per sample the prior misses, not by what factor.
         points = self.totals
-        curve = calibrate(known, points, self.growing)
+        curve = calibrate(known, points, self.growing, local=self.local)
         # One point: the offset is known, the scale a guess, unless the prior already had
         # that point right (within a tenth of a percent): then it is trusted as it is.
         guessed = abs(points[self.lo] - known(self.lo)) > _TRUSTED * points[self.lo]
@@ -267,9 +268,10 @@ class _Search:
                 else:
                     side, streak = 0, 0
                 placed = None
-            # A model that puts a failed batch within reach has been contradicted by a trial; without
-            # a prior to be cautious with, nothing says by how much, so bisect.
-            contradicted = self.prior is None and guess is not None and self.hi is not None and guess >= self.hi
+            # A model that puts a failed batch within reach has been contradicted by a trial (a prior
+            # too: it misses a change of slope, a kink or a kernel's workspace); nothing says by how
+            # much, so bisect.
+            contradicted = guess is not None and self.hi is not None and guess >= self.hi
             # Twice past the boundary running, or a bracket the model has stopped halving: the
             # model is off by more than it can tell (a staircase near its edge); bisect from now on.
             # A prior flat from the largest fit through the smallest failure cannot tell the batches
@@ -286,11 +288,18 @@ class _Search:
                 batch, led = self.clamp(self.bisect()), False
             else:
                 batch, led = self.clamp(min(guess, self.reach())), True
-                if side > 0 and streak:
+                # A prior that failed near the boundary converges on it from below in shrinking steps:
+                # stretch only where it creeps (a staircase's flat stretch), not where it converges.
+                creeping = not (self.local and self.hi is not None) or batch - self.lo <= max(2, (self.upper - self.lo) // 64)
+                if side > 0 and streak and creeping:
                     # The model keeps landing short: stretch its step, doubling, never past the middle.
                     stride = max(1, batch - self.lo) << streak
                     batch = self.clamp(min(self.lo + stride, self.reach() if self.hi is None else self.bisect()))
             fits = self.attempt(batch)
+            if not fits and led and self.prior is not None and self.step_below(batch) is None:
+                # A smooth prior (one that does not step there) failed: calibrated far below, it
+                # misses the slope near the boundary. (A prior that steps has its own path below.)
+                self.local = True
             if self.done:
                 break
             if led:

@@ -296,7 +296,7 @@ class Request:
         if not isinstance(self.fragmentation, numbers.Real) or not math.isfinite(self.fragmentation) \
                 or self.fragmentation < 1:
             problems.append(f"{option('fragmentation')} is reserved ÷ allocated memory and must be a finite number "
-                            f"≥ 1, but got {self.fragmentation!r}; use e.g. 1.05")
+                            f"≥ 1, but got {self.fragmentation!r}; use e.g. 1.10")
         if self.gpu is not None and self.gpu_memory is not None:
             problems.append(f"{option('gpu')} {self.gpu} and {option('gpu_memory')} {self.gpu_memory} both name the "
                             "GPU to estimate for; pass one")

@@ -69,7 +69,7 @@ class Overheads:
                 or not math.isfinite(fragmentation) or fragmentation < 1:
             raise AutobatchError(
                 f"fragmentation is reserved/allocated memory and must be ≥ 1 and finite, but got "
-                f"fragmentation={fragmentation!r}; use e.g. 1.05"
+                f"fragmentation={fragmentation!r}; use e.g. 1.10"
             )
         for name in ("workspace_bytes", "context_bytes"):
             value = getattr(self, name)

@@ -40,3 +40,24 @@ def test_a_model_whose_initialiser_reads_values_is_built_on_fake_tensors():
                               lambda b: {"pixel_values": torch.randn(b, 3, 32, 32), "labels": torch.randint(0, 10, (b,))})
     prior = autobatch.estimating.prior.try_trace_prior(work, device_type="cpu")
     assert prior(4) > 0 and prior.failure is None
+
+
+class _LearnedBias(torch.nn.Module):
+    """Attention whose mask is a learned bias (as Swin's relative positions): its gradient is needed."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.bias = torch.nn.Parameter(torch.zeros(1, 1, 8, 8))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return self.head(out.squeeze(1).mean(1))
+
+
+def test_attention_with_a_learned_mask_is_traced_and_its_mask_trained():
+    work = autobatch.Workload(_LearnedBias, lambda b: (torch.randn(b, 8, 16), torch.randint(0, 4, (b,))))
+    est = autobatch.estimate(work, gpu_memory="1GiB", headroom=0, max_batch=64)
+    assert est.max_batch == 64

@@ -41,7 +41,11 @@ class _FusedAttention(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention and not kwargs.get("enable_gqa", False):
             q, k, v = args[:3]
             options = {**dict(zip(self._NAMES, args[3:])), **kwargs}
-            if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:  # grouped-query heads: leave to the math path
+            mask = options.get("attn_mask")
+            # A mask that learns (Swin's relative position bias) needs its gradient: the CPU's fused
+            # kernel has none, so it stays on the math path (a GPU's memory-efficient kernel has one).
+            learned = isinstance(mask, torch.Tensor) and mask.requires_grad
+            if q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and not learned:  # grouped-query heads: the math path
                 # Without dropout: the CPU kernel takes none on real tensors, and a GPU's fused
                 # kernel keeps no dropout mask (it regenerates it), so the memory is the same.
                 out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

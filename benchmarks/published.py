@@ -1,0 +1,257 @@
+"""The estimate against published measurements of real GPU training runs.
+
+``python -m benchmarks.published`` takes every observation in ``benchmarks/published_observations.json``
+(a model, GPU, lengths, precision, optimizer, checkpointing, strategy and world size from a
+published source, with the exact quote, and a batch that fit, ran out of memory, or a measured
+peak), estimates it on fake tensors at exactly that batch, each in its own process, and writes
+``docs/benchmarks/published.md``: observed against predicted, the peak's error against the figure
+the source read (nvidia-smi: the estimate's reserved peak plus the card's CUDA context;
+``max_memory_allocated`` or unnamed: the traced allocated peak), and for each point what it lacks.
+
+``--ids ID …`` runs some, ``--timeout S`` bounds each point (default 600 s), ``--out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks/published_observations.json"
+COMMAND = "python -m benchmarks.published"
+
+__all__ = ["load", "lacks", "caveats", "predict", "run", "markdown", "main"]
+
+# Cards the catalogue does not hold, by their total memory (the context is the default 500 MiB).
+OTHER_CARDS = {"titan-rtx-24gb": "24GiB", "titan-x-12gb": "12GiB", "p100-16gb": "16280MiB"}
+CATALOGUE = {"rtx3090-24gb": "rtx-3090", "rtx4090-24gb": "rtx-4090", "a10g-24gb": "a10g", "v100-16gb": "v100-16gb",
+             "a100-40gb": "a100-40gb", "a100-80gb": "a100-80gb"}
+STRATEGIES = {"fsdp": "fsdp2", "zero2": "zero2", "zero3": "zero3", "zero3-offload": "zero3", "zero1": "zero1"}
+
+
+def load(path: Path = DATA) -> list[dict[str, Any]]:
+    return json.loads(path.read_text())
+
+
+def lacks(obs: dict[str, Any]) -> list[str]:
+    """What keeps a point from being estimated as the source ran it (empty: nothing)."""
+    missing = []
+    if "TensorFlow" in (obs.get("framework") or ""):
+        missing.append("a TensorFlow run (the estimate traces PyTorch's allocations)")
+    if obs["gpu"] is None:
+        missing.append("the card is not named")
+    if obs["strategy"] == "zero3-offload" and obs["world_size"] is None:
+        missing.append("the world size is not stated")
+    if obs["strategy"] in ("zero2", "zero3-offload") and "offload" in (obs["id"] + (obs.get("notes") or "")).lower():
+        missing.append("ZeRO's CPU offload of the optimizer (an --offload estimate runs DeepSpeed, which refuses "
+                       "fp16 on a CPU)")
+    return missing
+
+
+def caveats(obs: dict[str, Any]) -> list[str]:
+    """Terms the run had that the estimate does not model (it still answers; the table says so)."""
+    said = " ".join([obs.get("notes") or "", *obs.get("missing", [])])
+    found = []
+    if "Alpaca" in said or "padded per batch" in said:
+        found.append("dynamic padding: its samples are shorter than the maximum the estimate takes")
+    if "optimizer_in_bwd True" in said:
+        found.append("the optimizer step fused into the backward")
+    if "ChunkedOutputLoss" in said:
+        found.append("a chunked cross-entropy")
+    if "PagedAdamW8bit" in said:
+        found.append("paged 8-bit AdamW (taken as AdamW8bit)")
+    if "retries at a smaller batch" in said:
+        found.append("a fit, not the largest: the next batch tried is not recorded")
+    return found
+
+
+def _optimizer(obs: dict[str, Any]) -> str:
+    """The run's optimizer; where the source does not state it, its tool's default (timm's
+    benchmark: SGD), else AdamW."""
+    if obs["optimizer"]:
+        return obs["optimizer"]
+    return "sgd" if any("default optimizer is sgd" in m for m in obs.get("missing", [])) else "adamw"
+
+
+def _card(gpu: str) -> dict[str, str]:
+    return {"gpu": CATALOGUE[gpu]} if gpu in CATALOGUE else {"gpu_memory": OTHER_CARDS[gpu]}
+
+
+def predict(obs: dict[str, Any]) -> dict[str, Any]:
+    """The estimate at the observed batch (run in the child): fit or not, reserved and allocated peaks."""
+    import torch
+
+    import autobatch
+    from autobatch.estimating.gpus import resolve_gpu
+    from benchmarks.published_models import build
+
+    factory, make = build(obs["model"], obs["task_head"], obs.get("attention") or "sdpa")
+    seq, image, batch = obs["seq_len"], obs["image_size"], obs["per_gpu_batch"]
+    precision = obs["precision"] or "fp32"
+    pure = {"bf16-pure": torch.bfloat16, "fp16-pure": torch.float16}.get(precision)
+    dtype = {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision)
+    def model() -> torch.nn.Module:
+        # Pure low-precision weights: built in that dtype (a cast after would swap tied weights).
+        if pure is None:
+            return factory()
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(pure)
+        try:
+            return factory()
+        finally:
+            torch.set_default_dtype(default)
+
+    work = autobatch.Workload(model, lambda b: make(b, seq, image), optimizer=_optimizer(obs), dtype=dtype,
+                              grad_checkpointing=bool(obs["grad_checkpointing"]),
+                              grads_held=(obs["grad_accum"] or 1) > 1 and obs["strategy"] in ("single", "ddp"),
+                              name=obs["id"])
+    card = _card(obs["gpu"])
+    spec = resolve_gpu(card.get("gpu"), card.get("gpu_memory"))
+    seen: list[Any] = []
+    world = obs["world_size"] or 1
+    if obs["strategy"] in ("single", "ddp"):
+        try:
+            autobatch.estimate(work, card.get("gpu"), gpu_memory=card.get("gpu_memory"), headroom=0,
+                               min_batch=batch, max_batch=batch, on_trial=seen.append,
+                               data_parallel=world if obs["strategy"] == "ddp" else 1)
+        except autobatch.NoBatchFitsError:
+            pass
+        trial = seen[0]
+        return {"fits": trial.fits, "reserved": trial.reserved_bytes, "allocated": trial.peak_bytes,
+                "context": spec.context_bytes, "capacity": spec.total_bytes - spec.context_bytes}
+    request = autobatch.Request(model=model, make_batch=lambda b: make(b, seq, image), optimizer=_optimizer(obs),
+                                dtype=dtype or "fp32", grad_checkpointing=bool(obs["grad_checkpointing"]),
+                                strategy=STRATEGIES[obs["strategy"]], gpus_per_node=world, estimate=True,
+                                min_micro=batch, max_micro=batch, headroom=0,
+                                offload="optimizer" if obs["strategy"] == "zero3-offload" else None, **card)
+    try:
+        report = autobatch.answer(request)
+    except autobatch.NoBatchFitsError:
+        return {"fits": False, "reserved": None, "allocated": None, "context": spec.context_bytes,
+                "capacity": spec.total_bytes - spec.context_bytes}
+    row = report.rows[0]
+    trial = next(t for t in row.probe.trials if t.batch == batch)
+    return {"fits": trial.fits, "reserved": trial.reserved_bytes, "allocated": trial.peak_bytes,
+            "context": spec.context_bytes, "capacity": spec.total_bytes - spec.context_bytes}
+
+
+def _child(obs: dict[str, Any], timeout: int) -> dict[str, Any]:
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.published", "--one", obs["id"]], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the estimate took more than {timeout} s"}
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip() and not line.startswith(" ")]
+        raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+        said = (raised or lines or [f"exit {proc.returncode}"])[-1]
+        return {"error": said[:200]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _error(obs: dict[str, Any], got: dict[str, Any]) -> float | None:
+    if obs["outcome"] != "peak" or got.get("reserved") is None:
+        return None
+    measured = obs["peak_bytes_measured"]
+    predicted = got["reserved"] + got["context"] if obs["peak_measured_by"] == "nvidia-smi" else got["allocated"]
+    return (predicted - measured) / measured
+
+
+def run(observations: list[dict[str, Any]], timeout: int) -> list[dict[str, Any]]:
+    rows = []
+    for obs in observations:
+        got = {"error": "; ".join(lacks(obs))} if lacks(obs) else _child(obs, timeout)
+        row = {"id": obs["id"], "obs": obs, "got": got, "peak_error": _error(obs, got), "caveats": caveats(obs)}
+        if "fits" in got and obs["outcome"] in ("fit", "oom"):
+            row["right"] = got["fits"] == (obs["outcome"] == "fit")
+        elif "fits" in got:
+            row["right"] = got["fits"]  # a peak measured: the run fit
+        rows.append(row)
+        print(f"  {obs['id']}: {got}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _gib(n: float | None) -> str:
+    return "–" if n is None else f"{n / 2**30:.2f}"
+
+
+def markdown(rows: list[dict[str, Any]], argv: list[str]) -> str:
+    answered = [r for r in rows if "fits" in r["got"]]
+    right = [r for r in answered if r.get("right")]
+    errors = [r["peak_error"] for r in rows if r["peak_error"] is not None]
+    lines = [
+        "# The estimate against published GPU measurements",
+        "",
+        f"`{COMMAND}{' ' + ' '.join(argv) if argv else ''}` · {dt.date.today().isoformat()} · "
+        f"{len(rows)} published observations (`benchmarks/published_observations.json`: each with its source and quote)",
+        "",
+        f"**Answered {len(answered)} of {len(rows)}; fit or out of memory as observed: {len(right)} of {len(answered)}.**",
+    ]
+    if errors:
+        lines.append(f"**Peaks: {len(errors)} compared, error {min(errors):+.0%} to {max(errors):+.0%}, "
+                     f"median {statistics.median(errors):+.0%}; within 10 %: {sum(abs(e) <= 0.10 for e in errors)}.**")
+    lines += [
+        "",
+        "Peaks read by nvidia-smi are compared with the estimate's reserved peak plus the card's CUDA context; "
+        "those read by `max_memory_allocated` (or unnamed) with the traced allocated peak. "
+        "GiB are 2³⁰ bytes.",
+        "",
+        "| observation | model | card | seq / image | precision | optimizer | ckpt | strategy × world | batch | "
+        "observed | predicted | peak observed | peak predicted | error | right | lacks |",
+        "|---|---|---|---|---|---|---|---|---:|---|---|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        obs, got = row["obs"], row["got"]
+        predicted = ("fits" if got["fits"] else "out of memory") if "fits" in got else "–"
+        peak_pred = None
+        if got.get("reserved") is not None:
+            peak_pred = got["reserved"] + got["context"] if obs["peak_measured_by"] == "nvidia-smi" else got["allocated"]
+        lines.append(
+            f"| [{obs['id']}]({obs['source_url']}) | {obs['model']} | {obs['gpu'] or '–'} | "
+            f"{obs['seq_len'] or obs['image_size'] or '–'} | {obs['precision'] or '–'} | {obs['optimizer'] or '–'} | "
+            f"{'yes' if obs['grad_checkpointing'] else 'no'} | {obs['strategy']} × {obs['world_size'] or '?'} | "
+            f"{obs['per_gpu_batch']} | {obs['outcome']} | {predicted} | "
+            f"{_gib(obs['peak_bytes_measured']) if obs['outcome'] == 'peak' else '–'} | {_gib(peak_pred)} | "
+            f"{'–' if row['peak_error'] is None else format(row['peak_error'], '+.0%')} | "
+            f"{'–' if 'right' not in row else 'yes' if row['right'] else '**no**'} | "
+            f"{'; '.join(filter(None, [got.get('error', ''), *row.get('caveats', [])]))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    parser.add_argument("--ids", nargs="*", default=None)
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--out", default=str(ROOT / "docs/benchmarks"))
+    parser.add_argument("--merge", action="store_true", help="run --ids again and replace their rows in the record")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    observations = load()
+    if args.one:
+        print(json.dumps(predict(next(o for o in observations if o["id"] == args.one))))
+        return []
+    if args.ids:
+        observations = [o for o in observations if o["id"] in args.ids]
+    rows = run(observations, args.timeout)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.merge:  # the record's other rows stay as they were run
+        again = {r["id"]: r for r in rows}
+        rows = [again.get(r["id"], r) for r in json.loads((out / "published.json").read_text())]
+        argv = []
+    shown = [a for i, a in enumerate(argv) if a != "--out" and not (i and argv[i - 1] == "--out")]
+    (out / "published.md").write_text(markdown(rows, shown))
+    (out / "published.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

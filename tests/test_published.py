@@ -1,0 +1,49 @@
+"""The published-measurements benchmark (benchmarks/published.py): its data, its rules, its table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import published
+from benchmarks.published_models import BUILDERS
+
+ROOT = Path(__file__).resolve().parents[1]
+OBSERVATIONS = published.load()
+
+
+def test_at_least_twenty_observations_each_with_its_source_and_quote():
+    assert len(OBSERVATIONS) >= 20
+    assert len({o["id"] for o in OBSERVATIONS}) == len(OBSERVATIONS)
+    for obs in OBSERVATIONS:
+        assert obs["source_url"].startswith("http") and len(obs["quote"]) > 20, obs["id"]
+        assert obs["outcome"] in ("fit", "oom", "peak") and obs["per_gpu_batch"] >= 1, obs["id"]
+        assert (obs["peak_bytes_measured"] is not None) == (obs["outcome"] == "peak"), obs["id"]
+        assert obs["model"] in BUILDERS, obs["id"]
+        assert obs["attention"] in ("eager", "sdpa") and obs["attention_basis"], obs["id"]
+    assert {o["outcome"] for o in OBSERVATIONS} == {"fit", "oom", "peak"}
+
+
+def test_what_a_point_lacks_is_said():
+    by_id = {o["id"]: o for o in OBSERVATIONS}
+    assert published.lacks(by_id["hf-perf-bert-large-v100-bs4-fp32"]) == []
+    assert any("TensorFlow" in said for said in published.lacks(by_id["google-bert-large-seq384-titanx-bs1-oom"]))
+    assert any("not named" in said for said in published.lacks(by_id["litgpt-llama-2-7b-full-4xa100-fsdp-mb4-peak"]))
+
+
+def test_a_peak_is_compared_with_the_figure_its_source_read():
+    got = {"fits": True, "reserved": 900, "allocated": 800, "context": 100, "capacity": 10_000}
+    smi = {"outcome": "peak", "peak_bytes_measured": 1000, "peak_measured_by": "nvidia-smi"}
+    allocated = {"outcome": "peak", "peak_bytes_measured": 1000, "peak_measured_by": "max_memory_allocated"}
+    assert published._error(smi, got) == 0.0  # reserved + the CUDA context
+    assert published._error(allocated, got) == -0.2
+    assert published._error({**smi, "outcome": "fit"}, got) is None
+
+
+def test_the_committed_table_is_the_one_its_record_gives():
+    rows = json.loads((ROOT / "docs/benchmarks/published.json").read_text())
+    committed = (ROOT / "docs/benchmarks/published.md").read_text().splitlines()
+    written = published.markdown(rows, []).splitlines()
+    # The command line and date (line 3) are the run's; everything else must match.
+    assert committed[:2] + committed[3:] == written[:2] + written[3:]
+    assert len(rows) == len(OBSERVATIONS)

@@ -148,6 +148,8 @@ def _child(obs: dict[str, Any], timeout: int) -> dict[str, Any]:
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"the estimate took more than {timeout} s"}
+    if proc.returncode < 0:
+        return {"error": f"the estimate's process was killed (signal {-proc.returncode}: host memory, most likely)"}
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip() and not line.startswith(" ")]
         raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]

@@ -22,6 +22,7 @@ entries share them); a thread outside it keeps the CPU's rules, so a trace besid
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -143,11 +144,14 @@ def _rule(overload: str, cpu_casts: set[str]) -> str | None:
     return None  # promoted (the CPU's rule is the same) or refused by CUDA (binary_cross_entropy)
 
 
-def _register() -> Any:
-    library = torch.library.Library("aten", "IMPL")
+@functools.cache
+def _kernels() -> tuple[tuple[str, Any], ...]:
+    """Each overload to replace and its kernel: read once from the dispatcher, before any is replaced
+    (the op lists do not change within a process; registering is what each entry repeats)."""
     cpu_casts = set(_overloads("AutocastCPU"))
     wanted = [(name, _rule(name, cpu_casts)) for name in _overloads("AutocastCUDA")]
     wanted += [(name, "as_is") for name in cpu_casts if name.split(".")[0] in _CPU_ONLY]
+    kernels = []
     for name, rule in wanted:
         if rule is None:
             continue
@@ -158,9 +162,16 @@ def _register() -> Any:
         # Other threads keep the CPU's rule: float32 where its own kernel cast (its list has no
         # lower-precision op this replaces), else none.
         cpu_rule = "fp32" if name in cpu_casts else "as_is"
-        with warnings.catch_warnings():  # torch warns that a kernel is replaced: that is the point
-            warnings.simplefilter("ignore")
-            library.impl(name, _kernel(op, rule, cpu_rule), "AutocastCPU", with_keyset=True)
+        kernels.append((name, _kernel(op, rule, cpu_rule)))
+    return tuple(kernels)
+
+
+def _register() -> Any:
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # torch warns that a kernel is replaced: that is the point
+        warnings.simplefilter("ignore")
+        for name, kernel in _kernels():
+            library.impl(name, kernel, "AutocastCPU", with_keyset=True)
     return library
 
 

@@ -120,16 +120,21 @@ class _FakeBackend(SimulatedBackend):
     def info(self) -> DeviceInfo:
         return DeviceInfo("fake", "fake tensors", None, None, None, None, self.capacity())
 
+    def _enter_modes(self, stack: ExitStack) -> None:
+        """What a traced step runs under, plain or sharded: fake tensors, a stand-in where a value is
+        read (Adafactor's step count, a wrapper's overflow check), a GPU's attention and casts."""
+        stack.enter_context(_quiet_fake_tensor_log())
+        stack.enter_context(self.fake_mode)
+        stack.enter_context(_ZeroScalars())
+        if self.fused_attention:
+            stack.enter_context(_FusedAttention())
+        if self.cuda_autocast:
+            stack.enter_context(cuda_policy())
+
     @contextmanager
     def track(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         with ExitStack() as stack:
-            stack.enter_context(_quiet_fake_tensor_log())
-            stack.enter_context(self.fake_mode)
-            stack.enter_context(_ZeroScalars())  # Adafactor reads its step count: a stand-in value
-            if self.fused_attention:
-                stack.enter_context(_FusedAttention())
-            if self.cuda_autocast:
-                stack.enter_context(cuda_policy())
+            self._enter_modes(stack)
             self._tracker.add(resident)
             self._tracker.reset_peak()
             stack.enter_context(self._tracker)
@@ -138,13 +143,7 @@ class _FakeBackend(SimulatedBackend):
     @contextmanager
     def track_deferred(self, resident: Sequence[torch.Tensor] = ()) -> Iterator[None]:
         with ExitStack() as stack:
-            stack.enter_context(_quiet_fake_tensor_log())
-            stack.enter_context(self.fake_mode)
-            stack.enter_context(_ZeroScalars())
-            if self.fused_attention:
-                stack.enter_context(_FusedAttention())
-            if self.cuda_autocast:
-                stack.enter_context(cuda_policy())
+            self._enter_modes(stack)
             stack.enter_context(super().track_deferred(resident))
             yield
 

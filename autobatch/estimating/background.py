@@ -96,12 +96,12 @@ class TracedBeside:
         return self._prior(batch)
 
     def report(self) -> dict[str, Any]:
+        """The prior's report and ``from_trial``; a trace that never led says why (a failed one is
+        said by :func:`~autobatch.probing.result.trace_record`, as for any prior)."""
         said = self._prior.report() or {"traced_batches": [], "seconds": round(self._prior.seconds, 3), "failure": None}
-        if said["failure"] is not None:
-            return {"led": False, "reason": f"the trace stopped: {said['failure']}", "from_trial": None, **said}
-        if self.from_trial is None:
+        if said["failure"] is None and self.from_trial is None:
             return {"led": False, "reason": NOT_READY, "from_trial": None, **said}
-        return {"led": True, "reason": None, "from_trial": self.from_trial, **said}
+        return {"from_trial": self.from_trial, **said}
 
 
 def beside(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",

@@ -116,6 +116,13 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
     spec = resolve_gpu(card.get("gpu"), card.get("gpu_memory"))
     seen: list[Any] = []
     world = obs["world_size"] or 1
+
+    def figures(trial: Any) -> dict[str, Any]:
+        """The traced trial at the observed batch (``None``: nothing fit) on the run's card."""
+        return {"fits": trial is not None and trial.fits, "reserved": trial and trial.reserved_bytes,
+                "allocated": trial and trial.peak_bytes, "context": spec.context_bytes,
+                "capacity": spec.total_bytes - spec.context_bytes}
+
     if obs["strategy"] in ("single", "ddp"):
         try:
             autobatch.estimate(work, card.get("gpu"), gpu_memory=card.get("gpu_memory"), headroom=0,
@@ -123,9 +130,7 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
                                data_parallel=world if obs["strategy"] == "ddp" else 1)
         except autobatch.NoBatchFitsError:
             pass
-        trial = seen[0]
-        return {"fits": trial.fits, "reserved": trial.reserved_bytes, "allocated": trial.peak_bytes,
-                "context": spec.context_bytes, "capacity": spec.total_bytes - spec.context_bytes}
+        return figures(seen[0])
     request = autobatch.Request(model=model, make_batch=lambda b: make(b, seq, image), optimizer=_optimizer(obs),
                                 dtype=dtype or "fp32", grad_checkpointing=bool(obs["grad_checkpointing"]),
                                 strategy=STRATEGIES[obs["strategy"]], gpus_per_node=world, estimate=True,
@@ -134,12 +139,8 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
     try:
         report = autobatch.answer(request)
     except autobatch.NoBatchFitsError:
-        return {"fits": False, "reserved": None, "allocated": None, "context": spec.context_bytes,
-                "capacity": spec.total_bytes - spec.context_bytes}
-    row = report.rows[0]
-    trial = next(t for t in row.probe.trials if t.batch == batch)
-    return {"fits": trial.fits, "reserved": trial.reserved_bytes, "allocated": trial.peak_bytes,
-            "context": spec.context_bytes, "capacity": spec.total_bytes - spec.context_bytes}
+        return figures(None)
+    return figures(next(t for t in report.rows[0].probe.trials if t.batch == batch))
 
 
 def _child(obs: dict[str, Any], timeout: int) -> dict[str, Any]:

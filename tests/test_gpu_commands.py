@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 import sys
@@ -10,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu import commands
+
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.search(r"```bash gpu\n(.*?)```", (ROOT / "docs/benchmarks/README.md").read_text(), re.S).group(1)
-COMMANDS = [line.strip() for line in BLOCK.splitlines() if line.strip()]
+COMMANDS = commands()  # the block the GPU run (python -m benchmarks.gpu run) takes
 
 
 def test_gpu_commands_are_listed():

@@ -36,11 +36,19 @@ class _FusedAttention(TorchFunctionMode):
 
     _NAMES = ("attn_mask", "dropout_p", "is_causal")
 
+    def __init__(self, as_on_cpu: bool = False):
+        super().__init__()
+        # The trials run on this CPU: its fused kernel takes no dropout, so with dropout the CPU
+        # runs the math path and keeps the probabilities and their mask; the trace does the same.
+        self.as_on_cpu = as_on_cpu
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.nn.functional.scaled_dot_product_attention and not kwargs.get("enable_gqa", False):
             q, k, v = args[:3]
             options = {**dict(zip(self._NAMES, args[3:])), **kwargs}
+            if self.as_on_cpu and options.get("dropout_p", 0.0) > 0:
+                return func(*args, **kwargs)
             mask = options.get("attn_mask")
             # A mask that learns (Swin's relative position bias) needs its gradient: the CPU's fused
             # kernel has none, so it stays on the math path (a GPU's memory-efficient kernel has one).
@@ -113,7 +121,8 @@ class _FakeBackend(SimulatedBackend):
         super().__init__(capacity)
         self.fake_mode = fake_mode
         self.fused_attention = fused_attention
-        self.cuda_autocast = cuda_autocast  # mixed precision casts as on a GPU (else as on this CPU)
+        # Mixed precision casts and attention kernels as on a GPU (else as on this CPU, where the trials run).
+        self.cuda_autocast = cuda_autocast
         if log is not None:  # an AllocationLog records each storage's request and free, in order
             self._tracker.allocator = log
 
@@ -127,7 +136,7 @@ class _FakeBackend(SimulatedBackend):
         stack.enter_context(self.fake_mode)
         stack.enter_context(_ZeroScalars())
         if self.fused_attention:
-            stack.enter_context(_FusedAttention())
+            stack.enter_context(_FusedAttention(as_on_cpu=not self.cuda_autocast))
         if self.cuda_autocast:
             stack.enter_context(cuda_policy())
 

@@ -58,7 +58,7 @@ def test_a_prior_ready_at_once_leads_as_a_traced_prior_does():
 def test_a_prior_never_ready_leaves_the_trials_alone_and_is_stopped():
     prior = Beside(after=None)
     outcome = search_max(oracle, 1000, prior=prior)
-    assert batches(outcome) == batches(search_max(oracle, 1000)) == [1, 16, 69, 128, 129]
+    assert batches(outcome) == batches(search_max(oracle, 1000)) == [1, 25, 128, 129]
     assert prior.from_trial is None and prior.stopped
 
 
@@ -66,7 +66,7 @@ def test_a_prior_ready_midway_leads_from_then_on_and_the_answer_stays_exact():
     prior = Beside(after=1)
     outcome = search_max(oracle, 1000, prior=prior)
     assert outcome.max_batch == 128 and batches(outcome)[-2:] == [128, 129]
-    assert batches(outcome)[:2] == [1, 16]  # the trials alone until it was ready
+    assert batches(outcome)[:2] == [1, 25]  # the trials alone until it was ready
     assert prior.from_trial == 2 and len(outcome.trials) <= 5
 
 
@@ -82,7 +82,7 @@ def test_a_trace_still_running_when_the_search_ends_is_cancelled_and_never_waite
     started.wait(10)
     start = time.perf_counter()
     outcome = search_max(oracle, 1000, prior=prior)
-    assert outcome.max_batch == 128 and batches(outcome) == [1, 16, 69, 128, 129]
+    assert outcome.max_batch == 128 and batches(outcome) == [1, 25, 128, 129]
     assert time.perf_counter() - start < 5 and prior.cancelled
     assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
     record = prior_report(prior)["trace_prior"]

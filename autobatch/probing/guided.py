@@ -166,7 +166,7 @@ def search_lengths(
         ...     return Trial(b, peak <= 100_000, peak, peak, resident_bytes=1000)
         >>> rows, fit = search_lengths(run_at, [32, 64, 128], 100_000)
         >>> [(r.seq_len, r.outcome.max_batch, len(r.outcome.trials)) for r in rows]
-        [(32, 220, 2), (64, 85, 3), (128, 29, 5)]
+        [(32, 220, 2), (64, 85, 3), (128, 29, 4)]
     """
     measured: dict[int, dict[int, int]] = {}
     rows: dict[int, LengthSearch] = {}

@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 Curve = Callable[[int], float]  # predicted peak bytes at a batch
+_CHECK = 0.005  # ladder(checked=True): how far a fourth point may lie off the quadratic through three
 _CURVED = 0.05  # calibrate: the prior's slopes must differ this much to fit its scale and per-sample bytes apart
 
 
@@ -105,6 +106,7 @@ def curvature_bound(points: dict[int, int], resident: int, limit: int) -> float:
     rise = points[anchor] - resident
     if rise <= 0:
         return math.inf
+    rise += 1  # bytes are whole: a rise read as r bytes may be up to r + 1 (it matters where a sample is a few bytes)
     headroom = max(0.0, limit - resident)
     chord = anchor * headroom / rise
     square = anchor * math.sqrt(headroom / rise)  # resident + k·b² through the anchor: always allowed
@@ -163,8 +165,14 @@ def _rising(a: float, c: float, q: float) -> Curve | None:
     return lambda b: a + c * max(b, vertex) + q * max(b, vertex) ** 2
 
 
-def ladder(points: dict[int, int], resident: int | None) -> Curve | None:
-    """The curve the points support (see the module docstring), or ``None`` (a flat line)."""
+def ladder(points: dict[int, int], resident: int | None, spacing: int = 4, checked: bool = False) -> Curve | None:
+    """The curve the points support (see the module docstring), or ``None`` (a flat line).
+
+    ``spacing``: the points a slope is read over are at least ``1/spacing`` of the batch apart.
+    ``checked``: a quadratic through three points must also pass a fourth below them (within
+    :data:`_CHECK`), else the curve changed slope between them (a kink, gradients giving way to
+    activations) and the line through the two largest is the model.
+    """
     if not points:
         return None
     base = 0 if resident is None else min(resident, min(points.values()))
@@ -172,12 +180,18 @@ def ladder(points: dict[int, int], resident: int | None) -> Curve | None:
     if len(points) == 1:
         rise = points[anchor] - base
         return None if rise <= 0 else (lambda b: base + rise * b / anchor)
-    partner = _partner(points)
+    partner = _partner(points, spacing)
     ya, yp = points[anchor], points[partner]
     if len(points) >= 3:
         below = [b for b in points if b < partner]
-        third = _partner(below + [partner]) if below else max(b for b in points if b not in (anchor, partner))
+        third = _partner(below + [partner], spacing) if below else max(b for b in points if b not in (anchor, partner))
         curve = _rising(*quadratic(sorted((b, points[b]) for b in (third, partner, anchor))))
+        lower = [b for b in points if b < third]
+        if checked and curve is not None and lower:
+            check = _partner(lower + [third], spacing) if len(lower) > 1 else lower[0]
+            if abs(curve(check) - points[check]) > _CHECK * points[check]:
+                curve = None if ya <= yp else (lambda b: ya + (ya - yp) / (anchor - partner) * (b - anchor))
+                return curve
         if curve is not None:
             return curve
     if (ya - base) * partner > (yp - base) * anchor * 1.001:

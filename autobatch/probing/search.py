@@ -8,11 +8,14 @@ smallest failure): after ``E`` fits the model is redrawn through it and the next
 
 Guards keep a wrong model cheap:
 
-* **bounded reach**: without a prior, no trial goes more than 1.5× past the batch that fits on
+* **bounded reach**: without a prior, no trial goes more than 2.5× past the batch that fits on
   every curve the points allow (a quadratic from the resident memory, a max of affine pieces;
   :func:`~autobatch.probing.memory_curve.curvature_bound`), so a convex curve's chord, which can
-  be the square of the answer, is never tried; a model drawn through one point aims low;
-* **misses judged by outcome**: a trial the model said fits but failed, or a model that moves
+  be the square of the answer, is never tried;
+* **trials alone** (:mod:`~autobatch.probing.trials_alone`): a model read near the boundary,
+  never aiming below the batch that fits on every curve; after a failure that batch; a model
+  that creeps has its step doubled; two failures or two stalls running, bisect;
+* **misses judged by outcome** (led by a prior): a trial the model said fits but failed, or a model that moves
   the boundary up past its own fit (it creeps), is a miss. After a failure the model aims lower,
   twice as low each time; creeping stretches the model's step, doubling, never past the middle;
   a model that a failure contradicts is not asked again until new points come: bisect;
@@ -35,15 +38,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .memory_curve import (
-    Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, ladder, predict_batch,
-)
+from .memory_curve import Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch
+from .trials_alone import REACH, TrialsAlone
 from .trial import Trial
 
 __all__ = ["SearchOutcome", "NoTrace", "search_max", "predict_batch", "chord_batch", "bends_up", "fit_line", "HARD_MAX_BATCH"]
 
 HARD_MAX_BATCH = 1 << 20  # a cap even when none is given: memory that never grows is a bug to report
-_REACH = 1.5             # without a prior: how far past the curvature bound one trial may go
 _MARGIN = 0.2            # share of the headroom a one-point model aims low
 _TRUSTED = 0.001         # a prior this close to the first trial is trusted without a margin
 _STALLS = 3               # model-led trials that did not halve the bracket before it is bisected
@@ -89,6 +90,7 @@ class _Search:
         self.resident: int | None = None
         self.trials: list[Trial] = []
         self.pending: Any = None  # a prior traced beside the trials, until it is ready (see adopt)
+        self.alone = TrialsAlone()  # what leads without a prior
         self.local = False  # a smooth prior failed: calibrate it near the boundary (memory_curve.calibrate)
 
     def adopt(self) -> None:
@@ -126,29 +128,13 @@ class _Search:
         return trial.fits
 
     def estimate(self, cautious: int = 0) -> int | None:
-        """The largest batch the model predicts to fit (may lie outside the bracket), or ``None``.
-
-        A model drawn through one point aims a fifth of the headroom low: its scale is a guess,
-        and a trial that fits is worth more than one that fails (it adds a point to the model).
-        One that has sent ``cautious`` trials running past the boundary aims twice as low each time.
-        """
-        if self.prior is not None:
-            try:
-                return self.from_prior(cautious)
-            except _NoPrior:
-                self.prior = None  # from here on the trials alone lead, as if none had been given
-        limit = self.capacity
-        if len(self.phases[0]) == 1 or cautious:
-            limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - self.phases[0][self.lo])
-        curve = ladder(self.phases[0], self.resident)
-        if curve is None:
+        """The largest batch the prior predicts to fit (may lie outside the bracket), or ``None``
+        when it answered NaN: it is dropped, and the trials alone lead from the next trial on."""
+        try:
+            return self.from_prior(cautious)
+        except _NoPrior:
+            self.prior = None  # from here on the trials alone lead, as if none had been given
             return None
-        best = crossing(curve, limit, self.lo, self.cap)
-        # The optimizer step grows hardly, but where its line crosses first it sets the bound.
-        line = fit_line(self.phases[1])
-        if line is not None:
-            best = min(best, max(self.lo, int((self.capacity - line[0]) // line[1])))
-        return best
 
     def from_prior(self, cautious: int) -> int:
         """:meth:`estimate` from the prior, calibrated to the trials; :class:`_NoPrior` if it answers NaN."""
@@ -201,7 +187,7 @@ class _Search:
             return self.cap
         base = self.resident if self.resident is not None else 0
         bound = curvature_bound(self.phases[0], min(base, min(self.phases[0].values())), self.capacity)
-        return int(min(self.cap, max(2 * self.lo, _REACH * int(bound)))) if math.isfinite(bound) else self.cap
+        return int(min(self.cap, max(2 * self.lo, REACH * int(bound)))) if math.isfinite(bound) else self.cap
 
     def bisect(self) -> int:
         if self.hi is None:
@@ -229,6 +215,11 @@ class _Search:
         misses_below = 0  # batches just below a step that failed running (at two, the model is asked again)
         while not self.done:
             self.adopt()
+            if self.prior is None:
+                width = self.upper - self.lo
+                self.attempt(self.alone.next(self))
+                self.alone.tried(self, width)
+                continue
             if drop is not None:
                 batch, drop = self.clamp(drop), None
                 if self.attempt(batch):
@@ -257,6 +248,8 @@ class _Search:
                 continue
             settled = side >= 0 and len(self.totals) > 1
             guess = self.estimate(0 if settled else streak)
+            if self.prior is None:
+                continue  # it answered NaN: the trials alone from here
             if settled and guess is not None and self.prior is not None:
                 moved = None if previous is None else abs(guess - previous)
                 previous = guess
@@ -363,7 +356,7 @@ def search_max(
         >>> oracle = lambda b: Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
         >>> outcome = search_max(oracle, 1000)
         >>> outcome.max_batch, [t.batch for t in outcome.trials]
-        (128, [1, 16, 69, 128, 129])
+        (128, [1, 25, 128, 129])
         >>> [t.batch for t in search_max(oracle, 1000, prior=lambda b: 100 + 7 * b).trials]
         [1, 128, 129]
     """

@@ -1,0 +1,99 @@
+"""The next trial of a search led by its trials alone: no prior, or one that has not come or was dropped.
+
+The search (:mod:`autobatch.probing.search`) asks :meth:`TrialsAlone.next` for each trial while it
+has no prior. Two figures are drawn from the trials that fit (:mod:`autobatch.probing.memory_curve`):
+
+* **the model's boundary**: where the curve read near the boundary crosses the capacity (its
+  slopes over the last 1/64 of the batch; a quadratic through three points only where a fourth
+  below them confirms it, else the line through the two largest: a kink, or gradients giving way
+  to activations, lies between them);
+* **the batch that fits on every curve** the points allow of the kinds memory makes
+  (:func:`~autobatch.probing.memory_curve.curvature_bound`).
+
+A trial goes to the model's boundary, never below the batch that fits on every curve and never
+more than :data:`REACH` times past it (so a convex curve's chord, the square of the answer on a
+pure square, is never tried). After a failure the batch that fits on every curve is tried. A
+model whose boundary fit and that then puts the boundary further by as much as its last step
+(or whose boundary fit twice running) creeps, as over a staircase's flat stretch: its step
+doubles. Two failures running, or two trials that did not halve the bracket, and it is bisected.
+
+Example:
+    >>> from autobatch.probing.search import search_max
+    >>> from autobatch.probing.trial import Trial
+    >>> line = lambda b: Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
+    >>> [t.batch for t in search_max(line, 1000).trials]  # 25: 2.5 × 10, the answer were it 100 + 7·b²
+    [1, 25, 128, 129]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .memory_curve import crossing, curvature_bound, fit_line, ladder
+
+__all__ = ["REACH", "TrialsAlone"]
+
+REACH = 2.5    # how far past the batch that fits on every curve (its floor) one trial may go
+_SPACING = 64  # slopes are read over the last 1/64 of the batch
+_CREEP = 4     # a model creeps when it moves its boundary by at least a quarter of its last step
+
+
+class TrialsAlone:
+    """The state a search led by its trials keeps between trials (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.stalls = 0   # trials that did not halve the bracket, running
+        self.failures = 0  # failed trials, running
+        self.creep = 0    # trials at or past the model's boundary that fit, running (the stretch's doublings)
+        self.placed: int | None = None  # the last trial, where it was at or past the model's boundary
+        self.step = 0     # how far that trial stepped past the largest fit
+
+    def next(self, search: Any) -> int:
+        """The next batch for ``search`` (a :class:`~autobatch.probing.search._Search`) to try."""
+        s = search
+        if s.upper - s.lo == 1:
+            return s.lo + 1
+        points = {b: p for b, p in s.phases[0].items() if p > 0}
+        if not points:  # pass/fail trials: nothing to model
+            return s.clamp(s.bisect())
+        base = min(points.values()) if s.resident is None else min(s.resident, min(points.values()))
+        safe = curvature_bound(points, base, s.capacity)
+        model = ladder(points, s.resident, spacing=_SPACING, checked=True)
+        guess = math.inf if model is None else crossing(model, s.capacity, s.lo, s.cap)
+        line = fit_line(s.phases[1])  # the optimizer step grows hardly, but where it crosses first it bounds
+        if line is not None:
+            bound = max(s.lo, int((s.capacity - line[0]) // line[1]))
+            safe, guess = min(safe, bound), min(guess, bound)
+        failed = not s.trials[-1].fits
+        self.failures = self.failures + 1 if failed else 0
+        placed, self.placed = self.placed, None
+        if self.stalls >= 2 or self.failures >= 2:
+            self.stalls = self.creep = 0
+            return s.clamp(s.bisect())
+        if s.hi is not None and (failed or guess >= s.hi):
+            # Just contradicted: the batch that fits on every curve of the kinds memory makes.
+            self.creep = 0
+            return s.clamp(int(safe) if s.lo < safe < s.hi else s.bisect())
+        if math.isfinite(safe) and safe > guess:
+            guess = int(safe)  # the model aims below a batch that fits on every curve: no need
+        if placed is None or failed:
+            self.creep = 0
+        elif self.creep or (math.isfinite(guess) and guess > placed and _CREEP * (guess - s.lo) >= self.step):
+            self.creep += 1
+        elif guess <= s.lo:
+            self.creep = 1 if self.step else 0  # the model says the boundary is here: one more to see
+        if self.creep > 1 or (self.creep and guess > s.lo):
+            guess = s.lo + (max(1, min(guess, s.cap) - s.lo) << max(0, self.creep - 1))
+            if s.hi is not None:
+                guess = min(guess, s.bisect())
+        batch = min(guess, REACH * int(safe)) if math.isfinite(safe) else min(guess, 2 * s.lo)
+        batch = s.clamp(int(max(batch, s.lo + 1)))
+        self.placed, self.step = (batch, batch - s.lo) if batch >= guess else (None, 0)
+        return batch
+
+    def tried(self, search: Any, width: int) -> None:
+        """After a trial: did it halve the bracket (``width`` before it)? Trials at the model's
+        boundary do not count; whether they crept is judged by the next one."""
+        if search.hi is not None and self.placed is None:
+            self.stalls = self.stalls + 1 if search.upper - search.lo > width / 2 else 0

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks/published_observations.json"
 COMMAND = "python -m benchmarks.published"
 
-__all__ = ["load", "lacks", "caveats", "predict", "run", "markdown", "main"]
+__all__ = ["load", "lacks", "caveats", "optimizer_step", "predict", "run", "markdown", "main"]
 
 # Cards the catalogue does not hold, by their total memory (the context is the default 500 MiB).
 OTHER_CARDS = {"titan-rtx-24gb": "24GiB", "titan-x-12gb": "12GiB", "p100-16gb": "16280MiB"}
@@ -72,12 +72,29 @@ def caveats(obs: dict[str, Any]) -> list[str]:
     return found
 
 
-def _optimizer(obs: dict[str, Any]) -> str:
+def _optimizer(obs: dict[str, Any]) -> Any:
     """The run's optimizer; where the source does not state it, its tool's default (timm's
-    benchmark: SGD), else AdamW."""
-    if obs["optimizer"]:
-        return obs["optimizer"]
-    return "sgd" if any("default optimizer is sgd" in m for m in obs.get("missing", [])) else "adamw"
+    benchmark: SGD), else AdamW. Stepped as the run stepped it (:func:`optimizer_step`)."""
+    import torch
+
+    name = obs["optimizer"] or ("sgd" if any("default optimizer is sgd" in m for m in obs.get("missing", [])) else "adamw")
+    step = optimizer_step(obs)
+    classes = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    if step == "multi-tensor" or name not in classes or obs["strategy"] not in ("single", "ddp"):
+        return name  # torch's default on a GPU since 2.0, as the estimate steps it (a wrapper: its own)
+    option = {"fused": True} if step == "fused" else {"foreach": False}
+    return lambda params: classes[name](params, lr=1e-4, **option)
+
+
+def optimizer_step(obs: dict[str, Any]) -> str:
+    """How the run's AdamW stepped, which sets the step's temporaries: ``"one-tensor"`` (a parameter
+    at a time: torch before 2.0, and the transformers Trainer's own AdamW of that time),
+    ``"fused"`` (nanoGPT asks for it on a GPU) or ``"multi-tensor"`` (torch's default on a GPU since 2.0)."""
+    framework = obs.get("framework") or ""
+    if "nanoGPT" in framework:
+        return "fused"
+    old = ("PyTorch 1.", "transformers 4.2", "v4.21", "transformers ~2", "transformers master (~4.2")
+    return "one-tensor" if any(mark in framework for mark in old) else "multi-tensor"
 
 
 def _card(gpu: str) -> dict[str, str]:

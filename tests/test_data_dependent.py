@@ -91,3 +91,33 @@ def test_the_prior_of_cpu_trials_takes_attention_as_the_cpu_does_and_an_estimate
         as_gpu = trace_trial(work, fake_model(work.model, mode), 8, fake_mode=mode)
         # A GPU's fused kernel keeps no O(seq²) probabilities, dropout or not.
         assert (as_gpu.peak_bytes < real.peak_bytes) == (p > 0), p
+
+
+def test_a_trace_for_a_gpu_steps_the_optimizer_as_a_gpu_does_with_its_temporary():
+    # On a GPU torch's AdamW, left to choose, takes the multi-tensor path: its step holds the square
+    # roots of every second moment at once, a temporary the size of all parameters. On fake CPU
+    # tensors it would take the one-tensor path; the trace for a GPU takes the GPU's.
+    def run(optimizer):
+        work = autobatch.Workload(lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)),
+                                  lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), optimizer=optimizer)
+        torch.manual_seed(0)
+        return work, autobatch.run_trial(work, work.model(), autobatch.SimulatedBackend(1 << 40), 8)
+
+    work, one_tensor = run("adamw")
+    _, multi_tensor = run(lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=True))
+    mode = _new_fake_mode()
+    as_gpu = trace_trial(work, fake_model(work.model, mode), 8, fake_mode=mode, fused_attention=False)
+    mode = _new_fake_mode()
+    as_cpu = trace_trial(work, fake_model(work.model, mode), 8, fake_mode=mode, fused_attention=False, cuda_autocast=False)
+    assert as_gpu.optimizer_bytes == multi_tensor.optimizer_bytes and as_cpu.optimizer_bytes == one_tensor.optimizer_bytes
+    # By hand: what stays (parameters, both moments, the step counts), the gradients, and the square
+    # roots of every second moment at once; the one-tensor path holds two of one parameter's at a time.
+    params = sum(p.numel() * 4 for p in work.model().parameters())
+    assert multi_tensor.optimizer_bytes == multi_tensor.resident_bytes + 2 * params
+    assert one_tensor.optimizer_bytes == one_tensor.resident_bytes + params + 2 * 4 * 256 * 64
+    # A choice the user made is kept: fused, or the one-tensor path asked for.
+    _, chosen = run(lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=False))
+    work_chosen = autobatch.Workload(work.model, work.make_batch, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=False))
+    mode = _new_fake_mode()
+    kept = trace_trial(work_chosen, fake_model(work_chosen.model, mode), 8, fake_mode=mode, fused_attention=False)
+    assert kept.optimizer_bytes == chosen.optimizer_bytes == one_tensor.optimizer_bytes

@@ -49,7 +49,8 @@ def test_traced_peaks_equal_the_simulated_backends_measured_peaks(name):
     model = fake_model(work.model, mode)
     for batch in (2, 16):
         real = run_trial(work, work.model(), SimulatedBackend("1TiB"), batch)
-        fake = trace_trial(work, model, batch, fake_mode=mode, fused_attention=False)
+        # As on this CPU (a GPU's optimizer steps on all tensors at once: tests/test_data_dependent.py).
+        fake = trace_trial(work, model, batch, fake_mode=mode, fused_attention=False, cuda_autocast=False)
         for field in ("peak_bytes", "reserved_bytes", "forward_backward_bytes", "optimizer_bytes", "resident_bytes"):
             assert getattr(fake, field) == pytest.approx(getattr(real, field), rel=0.02), field
 

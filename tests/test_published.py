@@ -47,3 +47,13 @@ def test_the_committed_table_is_the_one_its_record_gives():
     # The command line and date (line 3) are the run's; everything else must match.
     assert committed[:2] + committed[3:] == written[:2] + written[3:]
     assert len(rows) == len(OBSERVATIONS)
+
+
+def test_each_run_steps_its_optimizer_as_its_source_did():
+    # The step's temporaries differ: one parameter's (one-tensor), all parameters' (multi-tensor, torch's
+    # default on a GPU since 2.0, as the estimate steps it) or none (fused).
+    steps = {obs["id"]: published.optimizer_step(obs) for obs in published.load()}
+    assert steps["hf-perf-bert-large-v100-bs4-fp32"] == "one-tensor"  # transformers v4.21's Trainer
+    assert steps["zero-blog-t5-large-ddp-fp32-bs16"] == "one-tensor"  # PyTorch 1.7.1
+    assert steps["nanogpt-gpt2-124m-8xa100-40gb-bs12"] == "fused"
+    assert steps["litgpt-llama-3.2-1b-full-a10g-mb4"] == "multi-tensor"

@@ -37,7 +37,7 @@ from ..probing.progress import working
 from ..probing.result import BatchResult, not_led
 from ..probing.search import search_max
 from ..probing.trial import Trial, run_trial
-from ..probing.workload import Workload, resolve_dtype
+from ..probing.workload import Workload, make_optimizer, resolve_dtype
 
 # An estimate's extra["trace_prior"]["reason"]: its trials are traces, there are no real ones to lead.
 IS_THE_TRACE = "an estimate's trials are the trace itself"
@@ -176,8 +176,30 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
     # Gradient checkpointing recomputes the forward in backward, where the fused route is not taken:
     # the two passes would save different tensors (torch refuses). The math path in both errs small.
     fused_attention = fused_attention and not workload.grad_checkpointing
+    if cuda_autocast:
+        workload = replace(workload, optimizer=optimizer_as_on_a_gpu(workload.optimizer))
     raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast), batch)
     return replace(raw, seconds_per_step=None)
+
+
+# torch's optimizers whose step takes the multi-tensor (foreach) path by default when every parameter is on a GPU
+_FOREACH_ON_A_GPU = tuple(getattr(torch.optim, name) for name in (
+    "Adam", "AdamW", "SGD", "Adagrad", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta"))
+
+
+def optimizer_as_on_a_gpu(optimizer: Any) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """``optimizer`` (a name or factory) stepping as on a GPU: where torch's own optimizer was left to
+    choose (``foreach=None``), on a GPU it takes the multi-tensor path, whose step holds a temporary
+    the size of all parameters (Adam's ``sqrt`` of the second moments); on fake CPU tensors it would
+    take the one-tensor path and hold one parameter's. A ``fused`` or an explicit choice is kept."""
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = make_optimizer(optimizer, params)
+        if type(opt) in _FOREACH_ON_A_GPU:
+            for group in opt.param_groups:
+                if group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
+                    group["foreach"] = True
+        return opt
+    return make
 
 
 def _on_gpu(trial: Trial, overheads: Overheads, capacity: int, buckets: int = 0) -> Trial:

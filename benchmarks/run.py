@@ -195,7 +195,7 @@ METHOD = f"""## Method
   accelerate's `should_reduce_batch_size` and Lightning's `is_oom_error` both accept.
 - **autobatch** (trials only, as `find --no-trace-prior`): `autobatch.probe(workload,
   SimulatedBackend(budget))`, defaults (2 steps per trial).
-- **autobatch-trace** (`autobatch find`'s default): the same with `prior=autobatch.estimating.trace_prior(workload)`: the
+- **autobatch-trace** (`autobatch find`'s default): the same with `prior=autobatch.estimating.trace_prior(workload, device_type="cpu")`: the
   fake-tensor trace, calibrated against the trials, leads the search; its time is counted.
 - **Lightning** `Tuner.scale_batch_size` in `power` and `binsearch` modes, defaults:
   `steps_per_trial=3`, `init_val=2`, `max_trials=25`, `max_val=8192`, and in binsearch the

@@ -104,7 +104,7 @@ def run_autobatch_traced(workload: Workload, budget: str) -> ToolRun:
     counter = _Counter(workload)
     start = time.perf_counter()
     # The trace runs the loss on fake tensors: not a training step, so the uncounted workload.
-    result = probe(counter.counted(), SimulatedBackend(budget), prior=trace_prior(workload))
+    result = probe(counter.counted(), SimulatedBackend(budget), prior=trace_prior(workload, device_type="cpu"))
     seconds = time.perf_counter() - start
     tried = tuple((t.batch, t.fits) for t in result.trials)
     return ToolRun("autobatch-trace", result.max_batch, len(result.trials), len(counter.steps), seconds, tried)

@@ -72,7 +72,7 @@ def test_exact_sequence_of_batches_for_a_fixed_case():
 
 def test_the_trace_as_prior_goes_straight_to_the_boundary():
     work = lm_workload()
-    result = probe(work, SimulatedBackend("2MiB"), prior=trace_prior(work))
+    result = probe(work, SimulatedBackend("2MiB"), prior=trace_prior(work, device_type="cpu"))
     assert [(t.batch, t.fits) for t in result.trials] == [(1, True), (19, True), (20, False)]
 
 

@@ -148,3 +148,13 @@ def test_docstring_example_runs():
     import autobatch.probing.search
 
     assert doctest.testmod(autobatch.probing.search).failed == 0
+
+
+def test_trials_alone_start_from_known_trials():
+    # A rank that searches again from its earlier trials (an uneven plan): the trials alone take
+    # them as their first points, the failure among them too, and run only new batches.
+    run = oracle(lambda b: 100 + 7 * b, 1000, 100)
+    for known in ([run(1)], [run(1), run(16)], [run(1), run(200)]):
+        outcome = search_max(run, 1000, known=known)
+        assert outcome.max_batch == 128 and {t.batch for t in outcome.trials}.isdisjoint(t.batch for t in known)
+        assert {128, 129} <= {t.batch for t in outcome.trials}

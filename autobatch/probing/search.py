@@ -89,6 +89,7 @@ class _Search:
         self.growing: dict[int, int] = {}  # the same where forward+backward, not the optimizer, set it
         self.resident: int | None = None
         self.trials: list[Trial] = []
+        self.last: Trial | None = None  # the last trial learned from
         self.pending: Any = None  # a prior traced beside the trials, until it is ready (see adopt)
         self.alone = TrialsAlone()  # what leads without a prior
         self.local = False  # a smooth prior failed: calibrate it near the boundary (memory_curve.calibrate)
@@ -113,6 +114,7 @@ class _Search:
         return self.learn(trial)
 
     def learn(self, trial: Trial) -> bool:
+        self.last = trial
         batch = trial.batch
         if trial.fits:
             self.lo = max(self.lo, batch)

@@ -15,7 +15,8 @@ more than :data:`REACH` times past it (so a convex curve's chord, the square of 
 pure square, is never tried). After a failure the batch that fits on every curve is tried. A
 model whose boundary fit and that then puts the boundary further by as much as its last step
 (or whose boundary fit twice running) creeps, as over a staircase's flat stretch: its step
-doubles. Two failures running, or two trials that did not halve the bracket, and it is bisected.
+doubles, up to the batch below the smallest failure. Two failures running, or two trials that
+did not halve the bracket, and it is bisected.
 
 Example:
     >>> from autobatch.probing.search import search_max
@@ -65,7 +66,7 @@ class TrialsAlone:
         if line is not None:
             bound = max(s.lo, int((s.capacity - line[0]) // line[1]))
             safe, guess = min(safe, bound), min(guess, bound)
-        failed = not s.trials[-1].fits
+        failed = s.last is not None and not s.last.fits  # (the last trial learned: run now, or known)
         self.failures = self.failures + 1 if failed else 0
         placed, self.placed = self.placed, None
         if self.stalls >= 2 or self.failures >= 2:
@@ -86,7 +87,7 @@ class TrialsAlone:
         if self.creep > 1 or (self.creep and guess > s.lo):
             guess = s.lo + (max(1, min(guess, s.cap) - s.lo) << max(0, self.creep - 1))
             if s.hi is not None:
-                guess = min(guess, s.bisect())
+                guess = min(guess, s.upper)
         batch = min(guess, REACH * int(safe)) if math.isfinite(safe) else min(guess, 2 * s.lo)
         batch = s.clamp(int(max(batch, s.lo + 1)))
         self.placed, self.step = (batch, batch - s.lo) if batch >= guess else (None, 0)

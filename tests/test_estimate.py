@@ -16,6 +16,7 @@ from autobatch.estimating.overheads import Overheads
 from autobatch.probing.probe import probe
 from autobatch.probing.trial import run_trial
 from autobatch.probing.workload import Workload
+from torch._subclasses.fake_tensor import FakeTensorMode
 from tests.tiny import TinyLM, cnn_workload, lm_workload, mlp, mlp_workload
 from tests.extras import need
 
@@ -53,6 +54,25 @@ def test_traced_peaks_equal_the_simulated_backends_measured_peaks(name):
         fake = trace_trial(work, model, batch, fake_mode=mode, fused_attention=False, cuda_autocast=False)
         for field in ("peak_bytes", "reserved_bytes", "forward_backward_bytes", "optimizer_bytes", "resident_bytes"):
             assert getattr(fake, field) == pytest.approx(getattr(real, field), rel=0.02), field
+
+
+@pytest.mark.parametrize("held", [False, True])
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_a_trace_primes_the_optimizer_instead_of_running_a_first_step_and_books_the_same(name, held):
+    # The estimate's trace makes the optimizer's state with one step on zero gradients, then runs
+    # the one steady step; a prior's trace (it records a log) runs both steps. Every figure agrees.
+    from dataclasses import replace
+
+    from autobatch.estimating.replay import AllocationLog
+
+    make, _ = WORKLOADS[name]
+    work = replace(make(), grads_held=held)
+    mode = FakeTensorMode()
+    model = fake_model(work.model, mode)
+    primed = trace_trial(work, model, 8, fake_mode=mode)
+    two_steps = trace_trial(work, model, 8, fake_mode=mode, log=AllocationLog())
+    for field in ("peak_bytes", "reserved_bytes", "forward_backward_bytes", "optimizer_bytes", "resident_bytes"):
+        assert getattr(primed, field) == getattr(two_steps, field), field
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -176,10 +176,30 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
     # Gradient checkpointing recomputes the forward in backward, where the fused route is not taken:
     # the two passes would save different tensors (torch refuses). The math path in both errs small.
     fused_attention = fused_attention and not workload.grad_checkpointing
-    if cuda_autocast:
-        workload = replace(workload, optimizer=optimizer_as_on_a_gpu(workload.optimizer))
-    raw = run_trial(workload, model, _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast), batch)
+    backend = _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast)
+    optimizer = optimizer_as_on_a_gpu(workload.optimizer) if cuda_autocast else workload.optimizer
+    if log is not None:  # a prior's log replays through the caching allocator, whose blocks the first step leaves
+        raw = run_trial(replace(workload, optimizer=optimizer), model, backend, batch)
+        return replace(raw, seconds_per_step=None)
+    # The first of a trial's steps makes the optimizer's state; the rest repeat the steady step. On
+    # fake tensors an optimizer step on zero gradients makes that state for the price of no forward.
+    workload = replace(workload, optimizer=_primed(optimizer, backend, workload.grads_held))
+    raw = run_trial(workload, model, backend, batch, steps=1)
     return replace(raw, seconds_per_step=None)
+
+
+def _primed(optimizer: Any, backend: Any, grads_held: bool) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """``optimizer`` made, and stepped once on zero gradients, as after a trial's first step: its state
+    stays, the gradients are freed (or zeroed and kept, when held), and the peaks start afresh."""
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = make_optimizer(optimizer, params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=not grads_held)
+        backend.reset_peak()
+        return opt
+    return make
 
 
 # torch's optimizers whose step takes the multi-tensor (foreach) path by default when every parameter is on a GPU

@@ -122,8 +122,9 @@ class PhasePeaks:
         return now
 
 
-def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend, batch_size: int) -> Trial:
-    """Train ``model`` for ``workload.steps`` full steps at ``batch_size`` on ``backend``.
+def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend, batch_size: int,
+              steps: int | None = None) -> Trial:
+    """Train ``model`` for ``workload.steps`` full steps (or ``steps``) at ``batch_size`` on ``backend``.
 
     An out-of-memory error (see :func:`autobatch.probing.oom.is_oom_error`) becomes a trial that does not
     fit; any other exception propagates untouched. Either way the trial's tensors are freed and
@@ -143,7 +144,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
         optimizer = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
         phase = "forward_backward"
         try:
-            for _ in range(workload.steps):
+            for _ in range(steps or workload.steps):
                 backend.synchronize()
                 start = time.perf_counter()
                 phase = "forward_backward"
@@ -175,7 +176,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
         optimizer_bytes=peaks.phase["optimizer"],
         resident_bytes=resident_bytes,
         # The first step allocates optimizer state; the steady state is what training sees.
-        seconds_per_step=statistics.median(times[1:]) if fits else None,
+        seconds_per_step=statistics.median(times[1:] or times) if fits else None,
         error=error,
         alloc_retries=backend.alloc_retries() - retries_before,
     )

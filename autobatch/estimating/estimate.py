@@ -166,19 +166,23 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
 
 
 def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_mode: Any,
-                fused_attention: bool = True, log: Any = None, cuda_autocast: bool = True) -> Trial:
+                fused_attention: bool = True, log: Any = None, cuda_autocast: bool = True,
+                primed: bool | None = None) -> Trial:
     """One fake trial: :func:`~autobatch.probing.trial.run_trial` on fake tensors. Bytes are exact tensor bytes.
 
     ``model`` must already be fake (see :func:`fake_model`) under the same ``fake_mode``. A
     ``log`` (:class:`~autobatch.estimating.replay.AllocationLog`) records every request and free.
     ``cuda_autocast``: mixed precision casts as on a GPU (:mod:`.cuda_autocast`), else as on the CPU.
+    ``primed``: the optimizer's state made by a step on zero gradients instead of a whole first step
+    (the same bytes, half the time); by default unless a ``log`` is kept, whose replay through the
+    caching allocator needs the blocks the first step leaves (an exact-bytes replay does not).
     """
     # Gradient checkpointing recomputes the forward in backward, where the fused route is not taken:
     # the two passes would save different tensors (torch refuses). The math path in both errs small.
     fused_attention = fused_attention and not workload.grad_checkpointing
     backend = _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast)
     optimizer = optimizer_as_on_a_gpu(workload.optimizer) if cuda_autocast else workload.optimizer
-    if log is not None:  # a prior's log replays through the caching allocator, whose blocks the first step leaves
+    if not (log is None if primed is None else primed):
         raw = run_trial(replace(workload, optimizer=optimizer), model, backend, batch)
         return replace(raw, seconds_per_step=None)
     # The first of a trial's steps makes the optimizer's state; the rest repeat the steady step. On

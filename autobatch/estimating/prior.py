@@ -90,7 +90,7 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
     def trace(batch: int, record: AllocationLog) -> tuple[float, float]:
         with torch.random.fork_rng(devices=[]):
             return phase_peaks(trace_trial(workload, model, batch, fake_mode=mode, log=record,
-                                           cuda_autocast=device_type == "cuda"))
+                                           cuda_autocast=device_type == "cuda", primed=allocator == "exact"))
 
     return replayed_prior(trace, first, allocator=allocator, name=workload.name)
 

@@ -106,8 +106,8 @@ def test_with_memory_figures_the_search_takes_a_few_trials(monkeypatch) -> None:
     best = train()
     fits = {t.batch: t.fits for t in train.trials}
     assert best == 556 and fits[best] and not fits[best + 1]  # exact: the next batch ran out of memory
-    # 4096 fails; 7 two-step trials with per-phase peaks find 556; then the real run at 556.
-    assert train.batch_sizes == [4096, 1, 10, 307, 1121, 420, 556, 557, 556]
+    # 4096 fails; 6 two-step trials with per-phase peaks find 556; then the real run at 556.
+    assert train.batch_sizes == [4096, 1, 10, 307, 448, 556, 557, 556]
 
 
 def test_target_sets_the_accelerators_gradient_accumulation() -> None:

@@ -58,7 +58,7 @@ def test_flat_then_steep_is_exact_in_no_more_trials_than_doubling_and_bisection(
     memory = lambda b: 1_000 + max(5_000, 20 * b)  # noqa: E731
     outcome = search_max(oracle(memory, 8_000, 1_000), 8_000)
     assert outcome.max_batch == exhaustive(memory, 8_000) == 350
-    assert len(outcome.trials) == 13  # doubling + bisection: 18; the chord-led search: 20
+    assert len(outcome.trials) == 12  # doubling + bisection: 18; the chord-led search: 20
     assert max(t.batch for t in outcome.trials) <= 2 * 350
 
 

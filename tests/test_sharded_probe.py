@@ -109,8 +109,7 @@ def test_the_sharded_step_traced_on_fake_tensors_leads_the_search() -> None:
         return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials], led
 
     assert trials() == (18, [(1, True), (18, True), (19, False)], [2, 4, 16, 64])
-    assert trials(use_trace_prior=False) == (18, [(1, True), (5, True), (23, False), (11, True), (16, True), (18, True), (20, False),
-                                                 (19, False)],
+    assert trials(use_trace_prior=False) == (18, [(1, True), (5, True), (23, False), (11, True), (16, True), (18, True), (19, False)],
                                              TURNED_OFF)
 
 

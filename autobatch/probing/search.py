@@ -14,7 +14,7 @@ Guards keep a wrong model cheap:
   be the square of the answer, is never tried;
 * **trials alone** (:mod:`~autobatch.probing.trials_alone`): a model read near the boundary,
   never aiming below the batch that fits on every curve; after a failure that batch; a model
-  that creeps has its step doubled; two failures or two stalls running, bisect;
+  that creeps has its step doubled; two failures or three stalls running, bisect;
 * **misses judged by outcome** (led by a prior): a trial the model said fits but failed, or a model that moves
   the boundary up past its own fit (it creeps), is a miss. After a failure the model aims lower,
   twice as low each time; creeping stretches the model's step, doubling, never past the middle;

@@ -12,11 +12,11 @@ has no prior. Two figures are drawn from the trials that fit (:mod:`autobatch.pr
 
 A trial goes to the model's boundary, never below the batch that fits on every curve and never
 more than :data:`REACH` times past it (so a convex curve's chord, the square of the answer on a
-pure square, is never tried). After a failure the batch that fits on every curve is tried. A
-model whose boundary fit and that then puts the boundary further by as much as its last step
-(or whose boundary fit twice running) creeps, as over a staircase's flat stretch: its step
-doubles, up to the batch below the smallest failure. Two failures running, or two trials that
-did not halve the bracket, and it is bisected.
+pure square, is never tried). After a failure the batch that fits on every curve is tried. The
+model was wrong low when a trial past its boundary fit, or when its boundary fit and it then puts
+the boundary further by as much as its last step; twice running, it creeps (a staircase's flat
+stretch) and its step doubles, up to the batch below the smallest failure. Two failures running,
+or three trials that did not halve the bracket, and it is bisected.
 
 Example:
     >>> from autobatch.probing.search import search_max
@@ -37,6 +37,7 @@ __all__ = ["REACH", "TrialsAlone"]
 
 REACH = 2.5    # how far past the batch that fits on every curve (its floor) one trial may go
 _SPACING = 64  # slopes are read over the last 1/64 of the batch
+_STALLS = 3  # trials that did not halve the bracket, running, before it is bisected
 _CREEP = 4     # a model creeps when it moves its boundary by at least a quarter of its last step
 
 
@@ -49,6 +50,7 @@ class TrialsAlone:
         self.creep = 0    # trials at or past the model's boundary that fit, running (the stretch's doublings)
         self.placed: int | None = None  # the last trial, where it was at or past the model's boundary
         self.step = 0     # how far that trial stepped past the largest fit
+        self.beyond = False  # that trial was past the model's boundary
 
     def next(self, search: Any) -> int:
         """The next batch for ``search`` (a :class:`~autobatch.probing.search._Search`) to try."""
@@ -69,7 +71,7 @@ class TrialsAlone:
         failed = s.last is not None and not s.last.fits  # (the last trial learned: run now, or known)
         self.failures = self.failures + 1 if failed else 0
         placed, self.placed = self.placed, None
-        if self.stalls >= 2 or self.failures >= 2:
+        if self.stalls >= _STALLS or self.failures >= 2:
             self.stalls = self.creep = 0
             return s.clamp(s.bisect())
         if s.hi is not None and (failed or guess >= s.hi):
@@ -78,19 +80,20 @@ class TrialsAlone:
             return s.clamp(int(safe) if s.lo < safe < s.hi else s.bisect())
         if math.isfinite(safe) and safe > guess:
             guess = int(safe)  # the model aims below a batch that fits on every curve: no need
-        if placed is None or failed:
-            self.creep = 0
-        elif self.creep or (math.isfinite(guess) and guess > placed and _CREEP * (guess - s.lo) >= self.step):
-            self.creep += 1
-        elif guess <= s.lo:
-            self.creep = 1 if self.step else 0  # the model says the boundary is here: one more to see
-        if self.creep > 1 or (self.creep and guess > s.lo):
-            guess = s.lo + (max(1, min(guess, s.cap) - s.lo) << max(0, self.creep - 1))
+        # The model was wrong low when a trial past its boundary fit, or when its boundary fit and it
+        # now puts the boundary further by as much as its last step; twice running, it creeps.
+        wrong_low = placed is not None and not failed and (
+            self.beyond or (math.isfinite(guess) and guess > placed and _CREEP * (guess - s.lo) >= self.step))
+        self.creep = self.creep + 1 if wrong_low else 0
+        said = guess  # the model's own boundary, before any stretch
+        if self.creep > 1:
+            guess = s.lo + (max(1, min(guess, s.cap) - s.lo) << (self.creep - 1))
             if s.hi is not None:
                 guess = min(guess, s.upper)
         batch = min(guess, REACH * int(safe)) if math.isfinite(safe) else min(guess, 2 * s.lo)
         batch = s.clamp(int(max(batch, s.lo + 1)))
         self.placed, self.step = (batch, batch - s.lo) if batch >= guess else (None, 0)
+        self.beyond = batch > said  # the model said this batch fails
         return batch
 
     def tried(self, search: Any, width: int) -> None:

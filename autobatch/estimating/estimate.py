@@ -182,13 +182,12 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
     fused_attention = fused_attention and not workload.grad_checkpointing
     backend = _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast)
     optimizer = optimizer_as_on_a_gpu(workload.optimizer) if cuda_autocast else workload.optimizer
-    if not (log is None if primed is None else primed):
-        raw = run_trial(replace(workload, optimizer=optimizer), model, backend, batch)
-        return replace(raw, seconds_per_step=None)
-    # The first of a trial's steps makes the optimizer's state; the rest repeat the steady step. On
-    # fake tensors an optimizer step on zero gradients makes that state for the price of no forward.
-    workload = replace(workload, optimizer=_primed(optimizer, backend, workload.grads_held))
-    raw = run_trial(workload, model, backend, batch, steps=1)
+    primed = log is None if primed is None else primed
+    if primed:
+        # The first of a trial's steps makes the optimizer's state; the rest repeat the steady step. On
+        # fake tensors an optimizer step on zero gradients makes that state for the price of no forward.
+        optimizer = _primed(optimizer, backend, workload.grads_held)
+    raw = run_trial(replace(workload, optimizer=optimizer), model, backend, batch, steps=1 if primed else None)
     return replace(raw, seconds_per_step=None)
 
 

@@ -182,6 +182,8 @@ def ladder(points: dict[int, int], resident: int | None, spacing: int = 4, check
         return None if rise <= 0 else (lambda b: base + rise * b / anchor)
     partner = _partner(points, spacing)
     ya, yp = points[anchor], points[partner]
+    slope = (ya - yp) / (anchor - partner)
+    line = None if slope <= 0 else (lambda b: ya + slope * (b - anchor))
     if len(points) >= 3:
         below = [b for b in points if b < partner]
         third = _partner(below + [partner], spacing) if below else max(b for b in points if b not in (anchor, partner))
@@ -190,15 +192,13 @@ def ladder(points: dict[int, int], resident: int | None, spacing: int = 4, check
         if checked and curve is not None and lower:
             check = _partner(lower + [third], spacing) if len(lower) > 1 else lower[0]
             if abs(curve(check) - points[check]) > _CHECK * points[check]:
-                curve = None if ya <= yp else (lambda b: ya + (ya - yp) / (anchor - partner) * (b - anchor))
-                return curve
+                return line
         if curve is not None:
             return curve
     if (ya - base) * partner > (yp - base) * anchor * 1.001:
         # Above the chord through the partner: the curve bends up.
         return _rising(*quadratic([(0, base), (partner, yp), (anchor, ya)]))
-    slope = (ya - yp) / (anchor - partner)
-    return None if slope <= 0 else (lambda b: ya + slope * (b - anchor))
+    return line
 
 
 def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int] = (), local: bool = False) -> Curve:

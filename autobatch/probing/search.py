@@ -250,13 +250,13 @@ class _Search:
                 continue
             settled = side >= 0 and len(self.totals) > 1
             guess = self.estimate(0 if settled else streak)
-            if self.prior is None:
-                continue  # it answered NaN: the trials alone from here
-            if settled and guess is not None and self.prior is not None:
+            if guess is None:
+                continue  # the prior answered NaN and is dropped: the trials alone from here
+            if settled:
                 moved = None if previous is None else abs(guess - previous)
                 previous = guess
             if placed is not None:
-                if guess is not None and guess > placed:
+                if guess > placed:
                     # The model moved the boundary up past its own fit: it creeps (a staircase's
                     # flat stretch, a slope read low); a miss that fit.
                     side, streak = 1, streak + 1 if side > 0 else 1
@@ -266,12 +266,12 @@ class _Search:
             # A model that puts a failed batch within reach has been contradicted by a trial (a prior
             # too: it misses a change of slope, a kink or a kernel's workspace); nothing says by how
             # much, so bisect.
-            contradicted = guess is not None and self.hi is not None and guess >= self.hi
+            contradicted = self.hi is not None and guess >= self.hi
             # Twice past the boundary running, or a bracket the model has stopped halving: the
             # model is off by more than it can tell (a staircase near its edge); bisect from now on.
             # A prior flat from the largest fit through the smallest failure cannot tell the batches
             # between apart: the device crossed where the trace sees nothing grow.
-            blind = self.prior is not None and self.hi is not None and self.prior(self.lo + 1) == self.prior(self.hi)
+            blind = self.hi is not None and self.prior(self.lo + 1) == self.prior(self.hi)
             if blind and self.prior(self.lo) != self.prior(self.lo + 1):
                 drop, at_step = self.lo + 1, True  # the prior steps right above the largest fit: try the step
                 continue
@@ -279,7 +279,7 @@ class _Search:
                 bisecting, stalls, side, streak = True, 0, 0, 0
             elif bisecting:
                 bisecting = False  # one bisection, then the model again on the new bracket
-            if bisecting or guess is None or contradicted:
+            if bisecting or contradicted:
                 batch, led = self.clamp(self.bisect()), False
             else:
                 batch, led = self.clamp(min(guess, self.reach())), True
@@ -291,7 +291,7 @@ class _Search:
                     stride = max(1, batch - self.lo) << streak
                     batch = self.clamp(min(self.lo + stride, self.reach() if self.hi is None else self.bisect()))
             fits = self.attempt(batch)
-            if not fits and led and self.prior is not None and self.step_below(batch) is None:
+            if not fits and led and self.step_below(batch) is None:
                 # A smooth prior (one that does not step there) failed: calibrated far below, it
                 # misses the slope near the boundary. (A prior that steps has its own path below.)
                 self.local = True
@@ -301,7 +301,7 @@ class _Search:
                 if self.hi is not None:
                     stalls = stalls + 1 if self.upper - self.lo > width / 2 else 0
                 said_fits = batch <= guess
-                if said_fits and not fits and settled and self.prior is not None:
+                if said_fits and not fits and settled:
                     # A prior that steps (the allocator's rounding) and said this batch fits: the
                     # device crossed the capacity at one of the prior's steps, most likely the
                     # last one at or below it; try the batch just below that step.

@@ -119,9 +119,10 @@ def test_estimate_with_a_strategy_probes_rank_0_of_w_against_the_gpus_memory():
     assert [r["probe"]["sharding"]["world_size"] for r in rows] == [8, 8]
     ddp, fsdp2 = (r["probe"]["sharding"]["per_rank"]["parameters"] for r in rows)
     assert fsdp2 < ddp
-    # FSDP is traced on fake tensors (no memory, seconds at any size); DDP's reducer needs real data
-    assert [r["probe"]["device"]["kind"] for r in rows] == ["simulated", "fake"]
-    assert "ddp runs real steps on this CPU" in res.stderr
+    # both traced on fake tensors (no memory, seconds at any size); DDP as its buckets, without its reducer
+    assert [r["probe"]["device"]["kind"] for r in rows] == ["fake", "fake"]
+    assert rows[0]["probe"]["sharding"]["per_rank"]["buffers"] == ddp  # the buckets: a copy of the gradients
+    assert "real steps" not in res.stderr
 
 
 @pytest.mark.skipif(not os.environ.get("AUTOBATCH_SLOW_TESTS"), reason=(

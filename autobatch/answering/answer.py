@@ -45,8 +45,8 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
     Args:
         request: what to answer; it was checked whole when it was built.
         on_trial: called with each trial as it ends (one probe at a time), for progress.
-        on_note: called with each note as it is said (an estimate instead of a probe, a strategy
-            that runs real steps), before the work it announces; the notes are in the report too.
+        on_note: called with each note as it is said (an estimate instead of a probe, a card
+            without bf16), before the work it announces; the notes are in the report too.
         written: filled with ``{kind: path}`` as each file is written, so that a caller
             interrupted half-way knows what is already on disk.
         on_progress: called while a trace or a training step runs past two seconds, with what it
@@ -132,9 +132,9 @@ def _estimate(request: Request, note: Note) -> Report:
              "with fp16 or fp32 (--dtype fp16)")
     gpus = request.gpus_here()
     if request.strategies is not None:
-        rows, ways = estimate_strategy_rows(request, spec, note)
+        rows = estimate_strategy_rows(request, spec)
         plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
-        return Report(request, plan, rows=tuple(rows), gpu=spec, ways=ways)
+        return Report(request, plan, rows=tuple(rows), gpu=spec)
     overheads = estimate_overheads(request)
     if request.table:
         table, _ = length_table(request, None, {"gpu": spec, "overheads": overheads})

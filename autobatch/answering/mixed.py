@@ -149,7 +149,7 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     found: dict[str, Any] = {}
     if request.strategies is not None:
         for spec in cards_once:
-            rows, _ = estimate_strategy_rows(request, spec, note)
+            rows = estimate_strategy_rows(request, spec)
             if not isinstance(rows[0], Finding):
                 raise AutobatchError(f"nothing fits on {spec.name} under {request.strategies[0].label}: "
                                      f"{rows[0]}; drop that card from {option('gpu')}")

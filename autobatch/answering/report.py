@@ -40,7 +40,6 @@ class Report:
     written: dict[str, str] = field(default_factory=dict)
     changes: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    ways: dict[str, str] = field(default_factory=dict)  # strategy label → how its estimate ran
     main_rank: bool = True
     uneven: Any = None   # the plan per rank (UnevenPlan) when the request asked for one
     cards: tuple[dict[str, Any], ...] = ()  # each card of a mixed --gpu list: count, max and safe batch

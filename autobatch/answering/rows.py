@@ -11,13 +11,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import AutobatchError, NoBatchFitsError
 from ..lengths import LengthTable, probe_lengths
 from ..pipeline import Finding, data_parallel_ranks, find_plan
 from ..probing.backends import MemoryBackend
 from ..strategy import Strategy
+from ..units import format_bytes
 from .request import Request
 
 __all__ = ["NoFit", "user_deepspeed_config", "strategy_rows", "estimate_strategy_rows", "length_table",
@@ -72,36 +71,38 @@ def strategy_rows(request: Request, setup: Setup, *, on_trial: Callable[[Any], N
     return found
 
 
-def estimate_strategy_rows(request: Request, spec: Any, note: Callable[[str], None]) -> tuple[list[Finding | NoFit], dict[str, str]]:
+def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]:
     """Rank 0 of W's sharded steps against ``spec``'s usable memory less the allocator's overheads, one row per
-    strategy, and how each ran.
+    strategy.
 
-    FSDP and ZeRO train on fake tensors (no memory, seconds at any size). DDP's reducer reads
-    its tensors' data, so ``ddp`` runs real steps on this machine's CPU (rank 0's share of its
-    memory and time), and ``note`` says so before it starts.
+    Every strategy trains on fake tensors (no memory, seconds at any size): FSDP and ZeRO as their
+    wrappers run, DDP as its gradient buckets (:func:`~autobatch.distributed.ddp.traced_buckets`;
+    its reducer reads data a fake tensor has none of). A module passed in is copied onto fake
+    tensors, never changed.
     """
-    from ..estimating.estimate import load_fake_model
-    from ..estimating.fake_backends import fake_backend, gpu_attention_backend
+    from ..estimating.estimate import beside_the_context, fake_model, load_fake_model
+    from ..estimating.fake_backends import _new_fake_mode, fake_backend
 
     # As for one GPU: the allocator's fragmentation and the libraries' workspaces come off the card.
-    usable = estimate_overheads(request).allocatable(spec.usable_bytes)
-    how: dict[str, str] = {}
+    overheads = estimate_overheads(request)
+    usable = overheads.allocatable(beside_the_context(spec, overheads))
+    if usable <= 0:
+        raise AutobatchError(
+            f"{spec.name} keeps {format_bytes(beside_the_context(spec, overheads))} beside its CUDA context, which must "
+            f"exceed the libraries' workspaces ({request.workspace}); pass a larger --gpu-memory or a smaller --workspace")
     load = request.load_options(request.one_length)
+    if isinstance(request.model, str):
+        workload = load_fake_model(request.model, **load).to_workload(**request.settings())
+    else:
+        given = workload_of(request, load)
+        workload = replace(given, model=fake_model(given.model, _new_fake_mode()))
+    backend = fake_backend(workload.model, usable, fused_attention=not workload.grad_checkpointing)
 
     def setup(chosen: Strategy) -> tuple[Any, Any]:
-        if chosen.name != "ddp" and isinstance(request.model, str):
-            workload = load_fake_model(request.model, **load).to_workload(**request.settings())
-            template = workload.model if isinstance(workload.model, torch.nn.Module) else None
-            if template is not None:
-                how[chosen.label] = "a fake-tensor trace"
-                return workload, fake_backend(template, usable, fused_attention=not workload.grad_checkpointing)
-        how[chosen.label] = "real steps on this CPU"
-        note(f"{chosen.label} runs real steps on this CPU (its wrapper reads its tensors' data, so it "
-             "cannot be traced on fake tensors): minutes for a large model")
-        return workload_of(request, load), gpu_attention_backend(usable)
+        return workload, backend
 
-    # The trials already run on fake tensors (or DDP's real steps): a traced prior saves nothing.
-    return strategy_rows(request, setup, use_trace_prior=False), how
+    # The trials already run on fake tensors: a traced prior saves nothing.
+    return strategy_rows(request, setup, use_trace_prior=False)
 
 
 def estimate_overheads(request: Request) -> Any:

@@ -108,9 +108,8 @@ def strategy_table(rows: Any) -> Any:
 def _estimated_for(report: Any) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
-    said = "; ".join(f"{label}: {way}" for label, way in report.ways.items())
     tail = f"; ×{request.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
-    return f"estimated for {spec.name}, as rank 0 of {world} against its usable {format_bytes(spec.usable_bytes)} ({said}; no GPU used{tail})"
+    return f"estimated for {spec.name}, as rank 0 of {world} against its usable {format_bytes(spec.usable_bytes)} (each strategy's step traced on fake tensors; no GPU used{tail})"
 
 
 def _print_rows(report: Any) -> None:

@@ -1,4 +1,9 @@
-"""Wrap a model for trials the way data-parallel training wraps it: DDP and its gradient buckets."""
+"""Wrap a model for trials the way data-parallel training wraps it: DDP and its gradient buckets.
+
+:func:`ddp_for_trials` wraps real tensors in ``DistributedDataParallel``. Its reducer reads its
+tensors' data, which fake tensors have none of, so a trace takes :func:`traced_buckets` instead:
+what DDP allocates, its flat gradient buckets, bucketed by torch's own rule, with no reducer.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..probing.backends import MemoryBackend
 
-__all__ = ["ddp_for_trials"]
+__all__ = ["ddp_for_trials", "traced_buckets", "DDP_BUCKET_LIMITS"]
+
+# DDP's bucket limits by default: a first bucket of 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``),
+# then ``bucket_cap_mb`` = 25 MiB each.
+DDP_BUCKET_LIMITS = (1024 * 1024, 25 * 1024 * 1024)
 
 
 def _quiet_buffer_kwargs() -> dict[str, bool]:
@@ -64,3 +73,29 @@ def ddp_for_trials(model: torch.nn.Module, backend: MemoryBackend, *, group: Any
         # exit, it can abort the process ("terminate called without an active exception").
         del wrapped
         gc.collect()
+
+
+def traced_buckets(model: torch.nn.Module) -> list[torch.Tensor]:
+    """DDP's gradient buckets for ``model`` in its steady steps, allocated as its reducer allocates them.
+
+    DDP's reducer takes the parameters that need a gradient (each once) and gives each bucket
+    one flat tensor of its parameters' total size: a copy of the gradients, held as long as the
+    wrapper lives. After the first step it rebuilds them in the order the gradients arrived
+    (about the reverse of the parameters'), a first bucket of 1 MiB then 25 MiB each, one dtype
+    and device per bucket (torch's ``dist._compute_bucket_assignment_by_size``, called here).
+    Its autograd hooks copy each gradient into its bucket and back in place after the all-reduce
+    (``gradient_as_bucket_view=False``, the default of DDP, HF Trainer, accelerate and Lightning),
+    so a step allocates nothing more. Under ``FakeTensorMode`` the buckets are fake: a trace of
+    DDP without the reducer, which reads data a fake tensor has none of.
+    ``tests/test_ddp_traced.py`` checks them against the real wrapper's, bucket by bucket and byte for byte.
+    """
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    params = [p for m in model.modules() for p in m.parameters(recurse=False)
+              if p.requires_grad and not (id(p) in seen or seen.add(id(p)))][::-1]  # type: ignore[func-returns-value]
+    if not params:
+        return []
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, list(DDP_BUCKET_LIMITS), [False] * len(params))
+    return [torch.empty(sum(params[i].numel() for i in bucket), dtype=params[bucket[0]].dtype,
+                        device=params[bucket[0]].device) for bucket in buckets]

@@ -144,6 +144,12 @@ def _by_size(model: torch.nn.Module, min_params: int = SIZE_BASED_MIN_PARAMS) ->
     return units
 
 
+def _is_fake(model: torch.nn.Module) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(p, FakeTensor) for p in model.parameters())
+
+
 def _world() -> int:
     if not (dist.is_available() and dist.is_initialized()):
         raise AutobatchError("wrapping for a strategy needs an initialized process group (a launcher or the fake group)")
@@ -193,6 +199,13 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
         from torch.nn.parallel import DistributedDataParallel
 
         _to(model, device)
+        if world > 1 and _is_fake(model):
+            # A trace: DDP's memory is its buckets (its reducer reads data a fake tensor has none of).
+            from .ddp import traced_buckets
+
+            buckets = traced_buckets(model)
+            optimizer = make_optimizer(workload.optimizer, [p for p in model.parameters() if p.requires_grad])
+            return Wrapped(model, optimizer, _backward, _plain_step(optimizer, workload.grads_held), _keep=[buckets])
         device_ids = [device.index] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=group) if world > 1 else model
         if world > 1 and dist.get_backend() == "fake":

@@ -241,6 +241,19 @@ def _on_gpu(trial: Trial, overheads: Overheads, capacity: int, buckets: int = 0)
     )
 
 
+def beside_the_context(spec: GpuSpec, overheads: Overheads) -> int:
+    """The card's memory less its CUDA context (the overheads' where they set one, else the card's):
+    what a process can allocate. Raises when the context takes it all."""
+    context = spec.context_bytes if overheads.context_bytes is None else overheads.context_bytes
+    capacity = spec.total_bytes - context
+    if capacity <= 0:
+        raise AutobatchError(
+            f"the GPU's memory ({format_bytes(spec.total_bytes)}) must exceed its CUDA context "
+            f"({format_bytes(context)}); pass a larger --gpu-memory (the CUDA context takes that much of it)"
+        )
+    return capacity
+
+
 def estimate(
     workload: Workload,
     gpu: str | GpuSpec | None = None,
@@ -275,13 +288,7 @@ def estimate(
     started = time.perf_counter()
     spec = resolve_gpu(gpu, gpu_memory)
     overheads = overheads if overheads is not None else Overheads()
-    context = spec.context_bytes if overheads.context_bytes is None else overheads.context_bytes
-    capacity = spec.total_bytes - context
-    if capacity <= 0:
-        raise AutobatchError(
-            f"the GPU's memory ({format_bytes(spec.total_bytes)}) must exceed its CUDA context "
-            f"({format_bytes(context)}); pass a larger --gpu-memory (the CUDA context takes that much of it)"
-        )
+    capacity = beside_the_context(spec, overheads)
     headroom_bytes = resolve_headroom(headroom, capacity)
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):

@@ -45,8 +45,9 @@ from ..units import format_bytes
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode, _ZeroScalars
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads
+from .symbolic import BatchCurve, trace_curve
 
-__all__ = ["Estimate", "estimate", "trace_trial", "fake_model", "load_fake_model"]
+__all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "load_fake_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +92,9 @@ class Estimate(BatchResult):
                 f"{self.memory_line()} "
                 f"(fragmentation ×{self.overheads.fragmentation}, workspaces {format_bytes(self.overheads.workspace_bytes)})"
             )
-        lines.append(f"traced in {self.seconds:.1f} s")
+        once = self.extra.get("traced_once_for") or []
+        read = f" ({', '.join(map(str, once))} read off one trace with the batch a symbol)" if once else ""
+        lines.append(f"traced in {self.seconds:.1f} s{read}")
         return "\n".join(lines)
 
 
@@ -177,18 +180,33 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
     (the same bytes, half the time); by default unless a ``log`` is kept, whose replay through the
     caching allocator needs the blocks the first step leaves (an exact-bytes replay does not).
     """
+    primed = log is None if primed is None else primed
+    backend, work = _tracing(workload, fake_mode, fused_attention, log, cuda_autocast, primed)
+    raw = run_trial(work, model, backend, batch, steps=1 if primed else None)
+    return replace(raw, seconds_per_step=None)
+
+
+def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any, fused_attention: bool = True,
+                  cuda_autocast: bool = True) -> BatchCurve | None:
+    """:func:`trace_trial`'s primed step traced once with a symbolic batch: its figures at every batch
+    the curve answers (:class:`~.symbolic.BatchCurve`), or ``None`` where torch cannot trace it so."""
+    backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)
+    return trace_curve(work, model, backend)
+
+
+def _tracing(workload: Workload, fake_mode: Any, fused_attention: bool, log: Any, cuda_autocast: bool,
+             primed: bool) -> tuple[_FakeBackend, Workload]:
+    """The backend a trace runs on and the workload it steps: the optimizer as on a GPU, primed or not."""
     # Gradient checkpointing recomputes the forward in backward, where the fused route is not taken:
     # the two passes would save different tensors (torch refuses). The math path in both errs small.
     fused_attention = fused_attention and not workload.grad_checkpointing
     backend = _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast)
     optimizer = optimizer_as_on_a_gpu(workload.optimizer) if cuda_autocast else workload.optimizer
-    primed = log is None if primed is None else primed
     if primed:
         # The first of a trial's steps makes the optimizer's state; the rest repeat the steady step. On
         # fake tensors an optimizer step on zero gradients makes that state for the price of no forward.
         optimizer = _primed(optimizer, backend, workload.grads_held)
-    raw = run_trial(replace(workload, optimizer=optimizer), model, backend, batch, steps=1 if primed else None)
-    return replace(raw, seconds_per_step=None)
+    return backend, replace(workload, optimizer=optimizer)
 
 
 def _primed(optimizer: Any, backend: Any, grads_held: bool) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
@@ -306,8 +324,16 @@ def estimate(
     traced: list[Trial] = []
     buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if data_parallel > 1 else 0
 
+    # One trace with the batch a symbol answers every batch it allows; any other is traced at its size.
+    curve = trace_batches(workload, model, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
+    answered: list[int] = []
+
     def run(batch: int) -> Trial:
-        raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
+        if curve is not None and curve.answers(batch):
+            raw = curve.trial(batch)
+            answered.append(batch)
+        else:
+            raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
         trial = _on_gpu(raw, overheads, capacity, buckets)
         traced.append(replace(raw, fits=trial.fits))  # one verdict per batch: the GPU's
         if on_trial is not None:
@@ -341,5 +367,7 @@ def estimate(
         seconds=time.perf_counter() - started,
         workload=workload.name,
         dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
-        extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE)},
+        extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
+               # the batches read off the one symbolic trace; the others were traced at their size
+               "traced_once_for": answered},
     )

@@ -78,11 +78,17 @@ class _ZeroScalars(TorchDispatchMode):
         from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
 
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            dtype = args[0].dtype
+            stand_in = False if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
             try:
-                return func(*args, **(kwargs or {}))  # a tensor made from a Python number knows it
+                value = func(*args, **(kwargs or {}))  # a tensor made from a Python number knows it
             except DataDependentOutputException:
-                dtype = args[0].dtype
-                return False if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+                return stand_in
+            # Under a shape environment (a trace with a symbolic batch) an unknown value is a fresh
+            # symbol instead: it takes the stand-in too.
+            from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+            return stand_in if free_unbacked_symbols(value) else value
         if func.namespace == "c10d":
             # On the fake group a collective moves no data: this rank's values stay what they were
             # (DeepSpeed broadcasts a list's length and reads it back to compare).

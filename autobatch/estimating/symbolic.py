@@ -1,0 +1,235 @@
+"""One trace for every batch: the step traced once with the batch size a symbol, its bytes a polynomial in it.
+
+A fake tensor's shape may hold a symbolic integer (torch's ``ShapeEnv``, the machinery
+``torch.compile`` traces dynamic shapes with). With the batch size such a symbol ``b``, every
+tensor the step makes has a size that is a polynomial in ``b`` (activations grow with it, weights
+and optimizer state do not), and :class:`SymbolicTracker` keeps the live bytes as one. The peak
+of a phase is the largest of the live totals it went through, so it is kept as the set of those
+polynomials (dominated ones dropped): ``max(p(b) for p in phase)`` is the phase's peak at any
+batch, read without tracing again.
+
+Where the step's path depends on the batch (a branch on its size, a kernel that reads a size as
+a plain int), torch records a *guard* on the symbol. The curve answers only batches that satisfy
+every guard and sizes that stayed polynomials; any other batch, and a step torch cannot trace
+with a symbolic batch, is traced at its own size as before (:func:`~.estimate.trace_trial`).
+``tests/test_symbolic.py`` checks that the curve equals the per-batch trace field by field.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..probing.memtrack import MemoryTracker
+from ..probing.progress import working
+from ..probing.trial import Trial, forward_backward
+from ..probing.workload import Workload, make_optimizer
+
+__all__ = ["BatchCurve", "SymbolicTracker", "trace_curve"]
+
+_HINT = 8  # the value torch assumes for the batch symbol where it must pick a branch (recorded as a guard)
+_PRUNE_AT = 4096  # candidate peaks kept before the dominated ones are dropped
+
+Coefficients = tuple[int, ...]  # c0 + c1·b + c2·b² + …
+
+
+def _value(coefficients: Coefficients, batch: int) -> int:
+    return sum(c * batch ** k for k, c in enumerate(coefficients))
+
+
+def _envelope(candidates: Iterable[Coefficients]) -> tuple[Coefficients, ...]:
+    """The candidates no other one bounds from above at every batch ≥ 0 (each coefficient at least as large)."""
+    ordered = sorted(set(candidates), reverse=True)
+    kept: list[Coefficients] = []
+    for c in ordered:
+        width = max(len(c), *(len(k) for k in kept)) if kept else len(c)
+        padded = c + (0,) * (width - len(c))
+        if not any(all(a >= b for a, b in zip(k + (0,) * (width - len(k)), padded)) for k in kept):
+            kept.append(c)
+    return tuple(kept)
+
+
+class NotABatchPolynomial(Exception):
+    """A size the symbolic trace cannot keep as a polynomial in the batch (another symbol, a division)."""
+
+
+class SymbolicTracker(MemoryTracker):
+    """:class:`MemoryTracker` whose live bytes are a polynomial in the batch symbol.
+
+    ``windows`` holds, for each span between two ``reset_peak`` calls, the polynomials the live
+    total went through (its envelope); ``current`` is the live total now. ``current_bytes`` and
+    ``peak_bytes`` read them at the symbol's hint, for code that expects numbers.
+    """
+
+    def __init__(self, symbol: Any, hint: int):
+        super().__init__()
+        self.symbol, self.hint = symbol, hint
+        self.current: Coefficients = (0,)
+        self.windows: list[tuple[Coefficients, ...]] = []
+        self._window: set[Coefficients] = {self.current}
+        self._known: dict[Any, Coefficients] = {}
+
+    def coefficients(self, nbytes: Any) -> Coefficients:
+        if isinstance(nbytes, int):
+            return (nbytes,)
+        expr = nbytes.node.expr
+        known = self._known.get(expr)
+        if known is None:
+            import sympy
+
+            if expr.free_symbols - {self.symbol}:
+                raise NotABatchPolynomial(f"a size depends on more than the batch: {expr}")
+            try:
+                poly = sympy.Poly(sympy.expand(expr), self.symbol)
+            except sympy.PolynomialError as exc:
+                raise NotABatchPolynomial(f"a size is not a polynomial in the batch: {expr}") from exc
+            values = list(reversed(poly.all_coeffs()))
+            if not all(v.is_integer for v in values):
+                raise NotABatchPolynomial(f"a size has fractional coefficients in the batch: {expr}")
+            known = self._known[expr] = tuple(int(v) for v in values)
+        return known
+
+    def _shift(self, by: Coefficients, sign: int) -> None:
+        width = max(len(self.current), len(by))
+        total = [(self.current[k] if k < len(self.current) else 0) + sign * (by[k] if k < len(by) else 0)
+                 for k in range(width)]
+        while len(total) > 1 and total[-1] == 0:
+            total.pop()
+        self.current = tuple(total)
+
+    def _account(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
+        key, size = id(storage), self.coefficients(storage.nbytes())
+        known = self._live.get(key)
+        if known is not None:
+            token, old = known
+            if size == old:
+                return
+            self._shift(old, -1)
+            self._live[key] = (token, size)
+        else:
+            token = next(self._tokens)
+            self._live[key] = (token, size)
+            weakref.finalize(storage, self._release, key, token)
+        self._shift(size, 1)
+        self._window.add(self.current)
+        if len(self._window) > _PRUNE_AT:
+            self._window = set(_envelope(self._window))
+
+    def _release(self, key: int, token: int) -> None:
+        known = self._live.get(key)
+        if known is not None and known[0] == token:
+            del self._live[key]
+            self._shift(known[1], -1)
+
+    def reset_peak(self) -> None:
+        if hasattr(self, "_window"):  # the base class resets before this one is set up
+            self.windows.append(_envelope(self._window))
+            self._window = {self.current}
+
+    @property  # type: ignore[override]
+    def current_bytes(self) -> int:
+        return _value(self.current, self.hint) if hasattr(self, "current") else 0
+
+    @current_bytes.setter
+    def current_bytes(self, value: int) -> None:  # the base class sets 0 on creation
+        pass
+
+    @property  # type: ignore[override]
+    def peak_bytes(self) -> int:
+        return max(_value(c, self.hint) for c in self._window) if hasattr(self, "_window") else 0
+
+    @peak_bytes.setter
+    def peak_bytes(self, value: int) -> None:
+        pass
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.constant_pad_nd.default:
+            # The CPU kernel reads the input's sizes as plain ints, which would pin the batch to
+            # its hint; torch's reference allocates the same one padded output.
+            from torch._refs import constant_pad_nd
+
+            out = constant_pad_nd(*args, **(kwargs or {}))
+            self._register(out, check_budget=True)
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@dataclass(frozen=True)
+class BatchCurve:
+    """A traced step's figures at any batch its guards allow: what :func:`~.estimate.trace_trial` gives there."""
+
+    forward_backward: tuple[Coefficients, ...]
+    optimizer: tuple[Coefficients, ...]
+    resident: Coefficients
+    guards: tuple[Any, ...]   # sympy conditions on the batch symbol, each must hold
+    symbol: Any
+    smallest: int             # the smallest batch the symbol's range allows
+
+    def answers(self, batch: int) -> bool:
+        """Whether the traced step is the step at ``batch`` (every guard holds there)."""
+        if batch < self.smallest:
+            return False
+        at = {self.symbol: batch}
+        return all(bool(g.xreplace(at)) for g in self.guards)
+
+    def trial(self, batch: int) -> Trial:
+        fb = max(_value(c, batch) for c in self.forward_backward)
+        opt = max(_value(c, batch) for c in self.optimizer)
+        peak = max(fb, opt)
+        return Trial(batch=batch, fits=True, peak_bytes=peak, reserved_bytes=peak, forward_backward_bytes=fb,
+                     optimizer_bytes=opt, resident_bytes=_value(self.resident, batch))
+
+
+def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any) -> BatchCurve | None:
+    """Trace one step of ``model`` (fake, under ``backend.fake_mode``) with a symbolic batch.
+
+    ``backend`` is the :class:`~.fake_backends._FakeBackend` a per-batch trace would run on, and
+    ``workload.optimizer`` the primed optimizer it would make (see :func:`~.estimate.trace_batches`):
+    the step is the same, its sizes symbolic. ``None`` where torch cannot trace it so (the caller
+    traces batch by batch).
+    """
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    mode = backend.fake_mode
+    env = ShapeEnv(specialize_zero_one=False)
+    symbol = env.create_symbol(_HINT, ConstantSource("batch"), dynamic_dim=DimDynamic.DYNAMIC)
+    batch = env.create_symintnode(symbol, hint=_HINT)
+    tracker = SymbolicTracker(symbol, _HINT)
+    saved = mode.shape_env, mode.static_shapes
+    mode.shape_env, mode.static_shapes = env, False
+    params = [p for p in model.parameters()]
+    original = backend._tracker
+    backend._tracker = tracker
+    try:
+        with working(f"tracing {workload.name} once for every batch on fake tensors"), backend.track(
+                params + [b for b in model.buffers()]):
+            opt = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
+            try:
+                tracker.reset_peak()
+                forward_backward(workload, model, batch, backend.device)
+                tracker.reset_peak()
+                opt.step()
+                opt.zero_grad(set_to_none=not workload.grads_held)
+                tracker.reset_peak()
+                resident = tracker.current
+            finally:
+                del opt
+                model.zero_grad(set_to_none=True)
+    except Exception as exc:  # noqa: BLE001 - the per-batch trace runs the same step and raises what is the model's
+        # A size that is no polynomial in the batch, a value read from data, an op torch cannot run
+        # with a symbolic size: the caller traces each batch at its own size instead.
+        logging.getLogger(__name__).debug("no symbolic trace of %s: %s", workload.name, exc)
+        return None
+    finally:
+        backend._tracker = original
+        mode.shape_env, mode.static_shapes = saved
+    low = env.var_to_range[symbol].lower
+    return BatchCurve(forward_backward=tracker.windows[-2], optimizer=tracker.windows[-1], resident=resident,
+                      guards=tuple(g.expr for g in env.guards), symbol=symbol, smallest=max(1, int(low)))
+

@@ -158,9 +158,14 @@ def find_plan(
         from .distributed.simulated_world import probe_sharded
 
         world = data_parallel_ranks(gpus_per_node, nodes, model_parallel)
-        prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
-                                    deepspeed_config=deepspeed_config, device_type=backend.device.type,
-                                    ) if use_trace_prior else NoTrace(TURNED_OFF)
+        if getattr(backend, "fake_mode", None) is not None:  # an estimate: its trials are traces already
+            from .estimating.estimate import IS_THE_TRACE
+
+            prior: Any = NoTrace(IS_THE_TRACE)
+        else:
+            prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
+                                        deepspeed_config=deepspeed_config, device_type=backend.device.type,
+                                        ) if use_trace_prior else NoTrace(TURNED_OFF)
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
                                headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial, prior=prior)
         cached = False

@@ -56,3 +56,17 @@ def test_the_search_guides_wall_table_is_the_one_the_benchmark_wrote():
     written = [line for line in (ROOT / "docs/benchmarks/wall_cpu.md").read_text().splitlines() if line.startswith("|")]
     guide = (ROOT / "docs/search.md").read_text()
     assert len(written) >= 2 + 5 and "\n".join(written) in guide
+
+
+def test_the_speed_table_is_written_from_its_record_and_the_guides_quote_it():
+    import json
+
+    from benchmarks import speed
+
+    record = json.loads((ROOT / "docs/benchmarks/speed.json").read_text())
+    assert (ROOT / "docs/benchmarks/speed.md").read_text() == speed.markdown(record)
+    runs = record["runs"]
+    assert set(runs) == set(speed.CASES) and set(runs["six"]["rows"]) == set(speed.STRATEGIES.split(","))
+    ratio = runs["six"]["seconds"] / runs["bare"]["seconds"]
+    assert f"take {runs['six']['seconds']:.0f} s, {ratio:.0f}× a bare" in (ROOT / "docs/sharding.md").read_text()
+    assert f"takes {runs['bert-large']['seconds']:.1f} s" in (ROOT / "docs/estimate.md").read_text()

@@ -36,7 +36,7 @@ from ..strategy import Strategy
 from .fence import TrialFence
 from .sharding import Wrapped, local_bytes, wrap_model
 
-__all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial", "off_the_gpu"]
+__all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial", "off_the_gpu", "train_steps", "assemble"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,12 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
             fence.take_down()  # nothing refers to the trial's groups now: the ranks waiting on this one are freed
         backend.release()
     figures, times, resident_bytes, error, config, before = done
+    return assemble(batch_size, peaks, capacity, figures, times, resident_bytes, error, config, before)
+
+
+def assemble(batch_size: int, peaks: PhasePeaks, capacity: int, figures: dict[str, int], times: list[float],
+             resident_bytes: int | None, error: str | None, config: dict[str, Any] | None, before: int) -> ShardedTrial:
+    """The trial's record from what its steps measured: fit when no error and the reserved peak fits."""
     if error is None and peaks.reserved > capacity:
         error = (f"out of memory at the step's end: peak {peaks.reserved} bytes over the capacity of "
                  f"{capacity} bytes")
@@ -213,7 +219,7 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
     times: list[float] = []
     resident_bytes = None
     before = 0
-    phase = "forward_backward"
+    at = ["forward_backward"]  # the phase running, for the peaks of a step that ran out of memory
     try:
         with backend.track_deferred(()):
             before = backend.allocated_bytes()
@@ -227,20 +233,8 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
             del params
             wrapped_bytes = backend.allocated_bytes() - before
             figures["buffers"] = max(0, wrapped_bytes - figures["parameters"])
-            for _ in range(workload.steps):
-                backend.synchronize()
-                start = time.perf_counter()
-                phase = "forward_backward"
-                ahead = backend.allocated_bytes()
-                figures["optimizer_state"] = max(0, ahead - before - wrapped_bytes)
-                _step(workload, wrapped, batch_size, backend.device)
-                figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
-                peaks.read(phase)
-                phase = "optimizer"
-                wrapped.step()
-                peaks.read(phase)
-                times.append(time.perf_counter() - start)
-            resident_bytes = backend.allocated_bytes()
+            resident_bytes = train_steps(workload, wrapped, backend, batch_size, workload.steps, peaks, figures,
+                                         times, before + wrapped_bytes, at)
     except Exception as exc:
         if is_oom_error(exc):
             error = oom_message(exc)
@@ -250,8 +244,31 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
             error = None if fence is None else fence.peer_failure()
             if error is None:
                 raise
-        peaks.read(phase if wrapped is not None else "forward_backward")
+        peaks.read(at[0] if wrapped is not None else "forward_backward")
     finally:
         if wrapped is not None:
             wrapped.close()
     return figures, times, resident_bytes, error, config, before
+
+
+def train_steps(workload: Workload, wrapped: Wrapped, backend: MemoryBackend, batch_size: int, steps: int,
+                peaks: PhasePeaks, figures: dict[str, int], times: list[float], after_wrap: int,
+                at: list[str]) -> int:
+    """``steps`` steps of ``wrapped`` at ``batch_size`` inside the backend's tracking, each phase's peak
+    read into ``peaks``; fills the optimizer state and gradients of ``figures`` (the last step's) and
+    ``times``, keeps the running phase in ``at[0]``, and returns what stays allocated after them.
+    ``after_wrap``: what was allocated once the model was wrapped (before any optimizer state)."""
+    for _ in range(steps):
+        backend.synchronize()
+        start = time.perf_counter()
+        at[0] = "forward_backward"
+        ahead = backend.allocated_bytes()
+        figures["optimizer_state"] = max(0, ahead - after_wrap)
+        _step(workload, wrapped, batch_size, backend.device)
+        figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
+        peaks.read(at[0])
+        at[0] = "optimizer"
+        wrapped.step()
+        peaks.read(at[0])
+        times.append(time.perf_counter() - start)
+    return backend.allocated_bytes()

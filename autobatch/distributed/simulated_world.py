@@ -28,7 +28,8 @@ from ..probing.trial import Trial
 from ..probing.workload import Workload
 from ..strategy import Strategy, parse_strategy
 from .fake_group import fake_process_group
-from .sharded_trial import MemoryBreakdown, off_the_gpu, run_sharded_trial
+from .sharded_trial import MemoryBreakdown, ShardedTrial, off_the_gpu
+from .traced_trials import sharded_trials
 from .sharding import with_unit
 
 __all__ = ["probe_sharded", "sharding_report"]
@@ -102,32 +103,35 @@ def probe_sharded(
     breakdowns: dict[tuple[int, int], MemoryBreakdown | None] = {}
     configs: dict[int, dict[str, Any]] = {}
 
-    def runner(rank: int) -> Callable[[int], Trial]:
+    def runner(rank: int, trial: Callable[[int], ShardedTrial]) -> Callable[[int], Trial]:
         def run(batch: int) -> Trial:
-            done = run_sharded_trial(workload, template, strategy, backend, batch, deepspeed_config=deepspeed_config)
+            done = trial(batch)
             breakdowns[rank, batch], configs[batch] = done.breakdown, done.config
             if on_trial is not None:
                 on_trial(done.trial)
             return done.trial
         return run
 
+    def trials() -> Any:  # on fake tensors, one wrapped copy serves the rank's every trial
+        return sharded_trials(workload, template, strategy, backend, deepspeed_config)
+
     worst, played = 0, [0]
     with off_the_gpu(template):
         # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
-        with frozen_heap(), fake_process_group(world_size):
-            outcome = search_max(runner(0), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
+        with frozen_heap(), fake_process_group(world_size), trials() as trial:
+            outcome = search_max(runner(0, trial), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
         # Ranks hold different shards where the partitions are uneven (ZeRO-1/2 pad and split the flat
         # buffer by rank, FSDP pads the last shard): the last rank plays the answer too, and where it
         # runs out of memory there, its own search goes on below it. The answer is the smaller one.
         if world_size > 1 and strategy.name != "ddp" and outcome.max_batch >= min_batch:  # DDP: every rank the same
             last = world_size - 1
             played.append(last)
-            with frozen_heap(), fake_process_group(world_size, rank=last):
-                check = runner(last)(outcome.max_batch)
+            with frozen_heap(), fake_process_group(world_size, rank=last), trials() as trial:
+                check = runner(last, trial)(outcome.max_batch)
                 if not check.fits:
                     worst = last
                     outcome = (SearchOutcome(0, "memory", (check,)) if outcome.max_batch == min_batch else
-                               search_max(runner(last), capacity, min_batch=min_batch, max_batch=max_batch,
+                               search_max(runner(last, trial), capacity, min_batch=min_batch, max_batch=max_batch,
                                           fails_at=outcome.max_batch))
     backend.release()
     return result_from_search(

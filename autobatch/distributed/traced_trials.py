@@ -1,0 +1,111 @@
+"""Sharded trials on fake tensors, all on one wrapped copy: the wrap and the first step once, then one step a trial.
+
+A sharded trial on a device wraps a fresh copy of the model (:func:`~.sharded_trial.run_sharded_trial`),
+because a rank that runs out of memory mid-step leaves FSDP and DeepSpeed in no state to go on. On
+fake tensors (an estimate) nothing runs out of memory mid-step: each trial runs to its end and is
+decided by its peak. So one copy, wrapped once, serves every batch. The first trial runs the
+workload's steps as a fresh trial does; its first step makes the optimizer's state and whatever
+the wrapper allocates on its first step. Each later trial runs the steady step alone, at its own
+batch. What a step leaves (parameters, state, buffers) does not depend on the batch, so a later
+trial's peak is the second step's peak of a fresh trial at that batch. ``tests/test_traced_trials.py``
+checks every strategy against fresh trials, field by field.
+
+Wrapping DeepSpeed is seconds, and each step of a large model on fake tensors is seconds: one wrap
+and one step a trial, where a fresh trial takes a wrap and two steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..probing.backends import MemoryBackend
+from ..probing.progress import working
+from ..probing.trial import PhasePeaks
+from ..probing.workload import Workload
+from ..strategy import Strategy
+from .sharded_trial import ShardedTrial, _copy_model, assemble, run_sharded_trial, train_steps
+from .sharding import Wrapped, local_bytes, wrap_model
+
+__all__ = ["OneWrapper", "sharded_trials"]
+
+
+class OneWrapper:
+    """Trials of ``template`` under ``strategy`` on a fake backend, on one wrapped copy (see the module)."""
+
+    def __init__(self, workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,
+                 deepspeed_config: dict[str, Any] | None = None):
+        self.workload, self.template, self.strategy = workload, template, strategy
+        self.backend, self.deepspeed_config = backend, deepspeed_config
+        self.wrapped: Wrapped | None = None
+        self.before = self.after_wrap = 0
+        self.held: dict[str, int] = {}
+
+    def __call__(self, batch_size: int) -> ShardedTrial:
+        backend, workload = self.backend, self.workload
+        capacity = backend.capacity()
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=r"Accessing the data pointer of FakeTensor")
+            peaks = PhasePeaks(backend, phase_by="reserved")
+            figures: dict[str, int] = {}
+            times: list[float] = []
+            with working(f"tracing {workload.name} under {self.strategy.label} at batch {batch_size} on fake tensors"):
+                steps = workload.steps if self.wrapped is None else 1
+                if self.wrapped is None:
+                    self._wrap(batch_size)
+                figures.update(self.held)
+                params = list(self.wrapped.module.parameters())  # type: ignore[union-attr]
+                with backend.track_deferred(params + list(self.wrapped.module.buffers())):  # type: ignore[union-attr]
+                    del params
+                    resident = train_steps(workload, self.wrapped, backend, batch_size, steps, peaks,  # type: ignore[arg-type]
+                                           figures, times, self.after_wrap, ["forward_backward"])
+        config = dict(self.wrapped.config)  # type: ignore[union-attr]
+        if "train_micro_batch_size_per_gpu" in config:  # DeepSpeed's batch keys are the trial's, as a fresh trial's are
+            config["train_batch_size"] = config["train_batch_size"] // config["train_micro_batch_size_per_gpu"] * batch_size
+            config["train_micro_batch_size_per_gpu"] = batch_size
+        # a fake step's seconds are not a GPU's: none recorded, as for a single-GPU trace
+        return assemble(batch_size, peaks, capacity, figures, [], resident, None, config, self.before)
+
+    def _wrap(self, batch_size: int) -> None:
+        backend = self.backend
+        model = _copy_model(self.template, self.workload.grad_checkpointing)
+        with backend.track_deferred(()):
+            self.before = backend.allocated_bytes()
+            self.wrapped = wrap_model(model, self.strategy, self.workload, backend.device, batch=batch_size,
+                                      deepspeed_config=self.deepspeed_config)
+            del model
+        params = list(self.wrapped.module.parameters())
+        with backend.track_deferred(params + list(self.wrapped.module.buffers())):
+            self.after_wrap = backend.allocated_bytes()
+        parameters = local_bytes(params)
+        self.held = {"parameters": parameters, "buffers": max(0, self.after_wrap - self.before - parameters)}
+
+    def close(self) -> None:
+        """Drop the wrapped copy (inside its process group, which its engine may refer to)."""
+        if self.wrapped is not None:
+            self.wrapped.close()
+            self.wrapped = None
+        gc.collect()
+        self.backend.release()
+
+
+@contextmanager
+def sharded_trials(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,
+                   deepspeed_config: dict[str, Any] | None = None) -> Iterator[Callable[[int], ShardedTrial]]:
+    """A sharded trial at any batch, for use inside one rank's process group: on one wrapped copy
+    where the backend traces on fake tensors (:class:`OneWrapper`), else a fresh copy each."""
+    if getattr(backend, "fake_mode", None) is None:
+        yield lambda batch: run_sharded_trial(workload, template, strategy, backend, batch,
+                                              deepspeed_config=deepspeed_config)
+        return
+    trials = OneWrapper(workload, template, strategy, backend, deepspeed_config)
+    try:
+        yield trials
+    finally:
+        trials.close()

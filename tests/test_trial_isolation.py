@@ -79,3 +79,21 @@ def test_a_strategy_list_gives_each_row_exactly_as_the_strategy_alone() -> None:
     assert _rows(STRATEGIES) == alone
     assert _rows(tuple(reversed(STRATEGIES))) == alone
     assert torch.distributed.is_initialized() is False
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["real steps", "fake tensors"])
+def test_zero3_leaves_torchs_linear_as_it_found_it(traced: bool) -> None:
+    # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear "for good"; every later step in the
+    # process (the next strategy's row, the user's training) would run its linear instead.
+    need("deepspeed")
+    from autobatch.estimating.estimate import load_fake_model
+    from autobatch.estimating.fake_backends import fake_backend
+
+    before = torch.nn.functional.linear
+    if traced:
+        work = load_fake_model("tiny-llama").to_workload()
+        backend = fake_backend(work.model, 3_000_000)
+    else:
+        work, backend = sharded_jobs.workload(), SimulatedBackend("600KiB")
+    probe_sharded(work, backend, "zero3", 4, max_batch=2)
+    assert torch.nn.functional.linear is before

@@ -196,7 +196,9 @@ class _Globals:
     group it belongs to (the fake group of one probe), so the next engine would use a dead one.
     ZeRO-3 also leaves the root module on its forward stack, and its parameter coordinator in a
     class-level ``lru_cache``; either keeps the whole engine (and its optimizer state) alive after
-    the trial.
+    the trial. And it replaces ``torch.nn.functional.linear`` with its own for good ("This will
+    persist unless manually reset"): every later step in the process, of any strategy and of the
+    user's own training, would run DeepSpeed's linear.
     """
 
     def __init__(self) -> None:
@@ -213,6 +215,7 @@ class _Globals:
         self.checks: list[tuple[Any, str, Any]] = []
         self.groups_before = set(live_groups())  # the groups DeepSpeed makes are destroyed with the trial
         self.local_rank = os.environ.get("LOCAL_RANK")
+        self.linear = torch.nn.functional.linear  # ZeRO-3 replaces it while its engine trains
 
     def set_local_rank(self, device: torch.device) -> None:
         """DeepSpeed takes ``LOCAL_RANK`` for its device (``set_device(LOCAL_RANK)``): the GPU probed,
@@ -238,6 +241,7 @@ class _Globals:
                     setattr(module, check, _skipped)
 
     def destroy(self) -> None:
+        torch.nn.functional.linear = self.linear
         if self.local_rank is None:
             os.environ.pop("LOCAL_RANK", None)
         else:

@@ -214,7 +214,7 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     first = min_batch if min_batch is not None else min_batch_for(template)
 
     def trace(batch: int, record: Any) -> tuple[float, float]:
-        backend = fake_backend(template, 1 << 62, log=record, fused_attention=not workload.grad_checkpointing,
+        backend = fake_backend(template, 1 << 62, log=record, recomputed=workload.grad_checkpointing,
                                cuda_autocast=device_type == "cuda")
         return phase_peaks(run_sharded_trial(workload, template, strategy, backend, batch,
                                              deepspeed_config=deepspeed_config).trial)

@@ -96,7 +96,7 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
     else:
         given = workload_of(request, load)
         workload = replace(given, model=fake_model(given.model, _new_fake_mode()))
-    backend = fake_backend(workload.model, usable, fused_attention=not workload.grad_checkpointing)
+    backend = fake_backend(workload.model, usable, recomputed=workload.grad_checkpointing)
 
     def setup(chosen: Strategy) -> tuple[Any, Any]:
         return workload, backend

@@ -197,10 +197,8 @@ def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any,
 def _tracing(workload: Workload, fake_mode: Any, fused_attention: bool, log: Any, cuda_autocast: bool,
              primed: bool) -> tuple[_FakeBackend, Workload]:
     """The backend a trace runs on and the workload it steps: the optimizer as on a GPU, primed or not."""
-    # Gradient checkpointing recomputes the forward in backward, where the fused route is not taken:
-    # the two passes would save different tensors (torch refuses). The math path in both errs small.
-    fused_attention = fused_attention and not workload.grad_checkpointing
-    backend = _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast)
+    backend = _FakeBackend(fake_mode, fused_attention, log=log, cuda_autocast=cuda_autocast,
+                           recomputed=workload.grad_checkpointing)
     optimizer = optimizer_as_on_a_gpu(workload.optimizer) if cuda_autocast else workload.optimizer
     if primed:
         # The first of a trial's steps makes the optimizer's state; the rest repeat the steady step. On

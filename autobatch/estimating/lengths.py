@@ -68,7 +68,7 @@ class FakeLengthRunner:
         return replace(self.workload, make_batch=lambda b: make_batch(b, seq_len))
 
     def _trace(self, mode: str, batch: int, seq_len: int, run: Callable[..., Trial]) -> Trial:
-        backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention)
+        backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention, recomputed=self.workload.grad_checkpointing)
         raw = replace(run(self._at(seq_len), self.model, backend, batch), seconds_per_step=None)
         self.traced.setdefault((mode, seq_len), []).append(raw)
         return _on_gpu(raw, self.overheads, self.capacity)

@@ -49,6 +49,14 @@ class Report:
         return self.request.mode
 
     @property
+    def fragmentation(self) -> float:
+        """The reserved ÷ allocated ratio an estimate's sharded rows take (they book no requests):
+        ``--fragmentation`` where given, else the default."""
+        from ..estimating.overheads import DEFAULT_FRAGMENTATION
+
+        return DEFAULT_FRAGMENTATION if self.request.fragmentation is None else self.request.fragmentation
+
+    @property
     def estimated(self) -> bool:
         return self.mode == "estimate"
 

@@ -96,7 +96,7 @@ class Request:
     gpu: str | None = None
     gpu_memory: int | str | None = None
     estimate: bool | None = None
-    fragmentation: float = 1.10
+    fragmentation: float | None = None   # None: book the traced requests through the caching allocator's model
     workspace: int | str = "64MiB"
     # search and cache
     cache: bool = False
@@ -293,8 +293,8 @@ class Request:
                     problems.append(f"{option(name)} must be a positive size (2GiB, 512MiB), but got {value!r}")
         for i, budget in enumerate(budgets or (None,)):
             problems.extend(size_problems(budget, self.gpu_memory if i == 0 else None))
-        if not isinstance(self.fragmentation, numbers.Real) or not math.isfinite(self.fragmentation) \
-                or self.fragmentation < 1:
+        if self.fragmentation is not None and (not isinstance(self.fragmentation, numbers.Real)
+                                               or not math.isfinite(self.fragmentation) or self.fragmentation < 1):
             problems.append(f"{option('fragmentation')} is reserved ÷ allocated memory and must be a finite number "
                             f"≥ 1, but got {self.fragmentation!r}; use e.g. 1.10")
         if self.gpu is not None and self.gpu_memory is not None:

@@ -80,7 +80,8 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
     its reducer reads data a fake tensor has none of). A module passed in is copied onto fake
     tensors, never changed.
     """
-    from ..estimating.estimate import beside_the_context, fake_model, load_fake_model
+    from ..estimating.estimate import fake_model, load_fake_model
+    from ..estimating.overheads import beside_the_context
     from ..estimating.fake_backends import _new_fake_mode, fake_backend
 
     # As for one GPU: the allocator's fragmentation and the libraries' workspaces come off the card.

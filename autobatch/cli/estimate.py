@@ -60,7 +60,7 @@ def estimate_command(
     dtype: Dtype = "fp32", optimizer: OptimizerName = "adamw", grad_checkpointing: GradCheckpointing = False,
     grads_held: GradsHeld = False,
     headroom: Headroom = "5%", max_micro: MaxMicro = None, min_micro: MinMicro = None,
-    fragmentation: Fragmentation = 1.10, workspace: Workspace = "64MiB", deepspeed: DeepSpeedOut = None,
+    fragmentation: Fragmentation = None, workspace: Workspace = "64MiB", deepspeed: DeepSpeedOut = None,
     accelerate: AccelerateOut = None, hf: HfOut = None, script: Script = "train.py",
     strategy: StrategyOption = None, offload: OffloadOption = None, fsdp_unit: FsdpUnitOption = None,
     uneven: Uneven = False, as_json: AsJson = False,

@@ -177,9 +177,10 @@ Timeout = Annotated[float, typer.Option(
     "--timeout", min=1.0,
     help="Seconds a rank waits for the others (under a launcher, or one worker per GPU here) before all stop with one error.",
 )]
-Fragmentation = Annotated[float, typer.Option(
-    "--fragmentation", help="The allocator's reserved ÷ allocated peak assumed: multiplies the traced peak "
-    "(1.10: an H200 reserved 1.07–1.17× at the largest batch that fit, docs/benchmarks/gpu.md).")]
+Fragmentation = Annotated[float | None, typer.Option(
+    "--fragmentation", help="The allocator's reserved ÷ allocated peak, multiplying the traced peak. Default: "
+    "book each traced step's requests through a model of PyTorch's caching allocator on the card (within 0.05 % "
+    "of the reserved peaks an H200 measured, docs/benchmarks/gpu.md); ×1.10 where no requests are kept (--strategy).")]
 Workspace = Annotated[str, typer.Option("--workspace", help="cuBLAS/cuDNN workspaces assumed.")]
 
 DeepSpeedOut = Annotated[str | None, typer.Option(

@@ -108,7 +108,7 @@ def strategy_table(rows: Any) -> Any:
 def _estimated_for(report: Any) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
-    tail = f"; ×{request.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
+    tail = f"; ×{report.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
     return f"estimated for {spec.name}, as rank 0 of {world} against its usable {format_bytes(spec.usable_bytes)} (each strategy's step traced on fake tensors; no GPU used{tail})"
 
 

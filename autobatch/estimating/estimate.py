@@ -44,7 +44,8 @@ IS_THE_TRACE = "an estimate's trials are the trace itself"
 from ..units import format_bytes
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode, _ZeroScalars
 from .gpus import GpuSpec, resolve_gpu
-from .overheads import Overheads
+from .overheads import Overheads, beside_the_context, booked_on_gpu, booking_text, on_gpu
+from .replay import AllocationLog
 from .symbolic import BatchCurve, trace_curve
 
 __all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "load_fake_model"]
@@ -90,7 +91,7 @@ class Estimate(BatchResult):
         if self.memory_line():
             lines.append(
                 f"{self.memory_line()} "
-                f"(fragmentation ×{self.overheads.fragmentation}, workspaces {format_bytes(self.overheads.workspace_bytes)})"
+                f"({booking_text(self.overheads)}, workspaces {format_bytes(self.overheads.workspace_bytes)})"
             )
         once = self.extra.get("traced_once_for") or []
         read = f" ({', '.join(map(str, once))} read off one trace with the batch a symbol)" if once else ""
@@ -187,11 +188,13 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
 
 
 def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any, fused_attention: bool = True,
-                  cuda_autocast: bool = True) -> BatchCurve | None:
-    """:func:`trace_trial`'s primed step traced once with a symbolic batch: its figures at every batch
-    the curve answers (:class:`~.symbolic.BatchCurve`), or ``None`` where torch cannot trace it so."""
-    backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)
-    return trace_curve(work, model, backend)
+                  cuda_autocast: bool = True, primed: bool = True) -> BatchCurve | None:
+    """:func:`trace_trial`'s steps traced once with a symbolic batch: its figures, and its requests to
+    the allocator, at every batch the curve answers (:class:`~.symbolic.BatchCurve`), or ``None``
+    where torch cannot trace it so. ``primed``: the one steady step after a step on zero gradients,
+    else two whole steps, whose first leaves the blocks the second reuses (for the allocator's model)."""
+    backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, primed)
+    return trace_curve(work, model, backend, steps=1 if primed else max(2, workload.steps))
 
 
 def _tracing(workload: Workload, fake_mode: Any, fused_attention: bool, log: Any, cuda_autocast: bool,
@@ -239,35 +242,6 @@ def optimizer_as_on_a_gpu(optimizer: Any) -> Callable[[list[torch.nn.Parameter]]
                     group["foreach"] = True
         return opt
     return make
-
-
-def _on_gpu(trial: Trial, overheads: Overheads, capacity: int, buckets: int = 0) -> Trial:
-    # DDP's buckets are allocated when the model is wrapped and live as long as it: a fixed cost.
-    trial = replace(trial, peak_bytes=trial.peak_bytes + buckets, reserved_bytes=trial.reserved_bytes + buckets,
-                    forward_backward_bytes=trial.forward_backward_bytes + buckets,
-                    optimizer_bytes=trial.optimizer_bytes + buckets)
-    reserved = overheads.reserved(trial.reserved_bytes)
-    return replace(
-        trial,
-        fits=trial.fits and reserved <= capacity,
-        reserved_bytes=reserved,
-        forward_backward_bytes=overheads.reserved(trial.forward_backward_bytes),
-        optimizer_bytes=overheads.reserved(trial.optimizer_bytes),
-        resident_bytes=None if trial.resident_bytes is None else overheads.reserved(trial.resident_bytes),
-    )
-
-
-def beside_the_context(spec: GpuSpec, overheads: Overheads) -> int:
-    """The card's memory less its CUDA context (the overheads' where they set one, else the card's):
-    what a process can allocate. Raises when the context takes it all."""
-    context = spec.context_bytes if overheads.context_bytes is None else overheads.context_bytes
-    capacity = spec.total_bytes - context
-    if capacity <= 0:
-        raise AutobatchError(
-            f"the GPU's memory ({format_bytes(spec.total_bytes)}) must exceed its CUDA context "
-            f"({format_bytes(context)}); pass a larger --gpu-memory (the CUDA context takes that much of it)"
-        )
-    return capacity
 
 
 def estimate(
@@ -323,22 +297,35 @@ def estimate(
     buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if data_parallel > 1 else 0
 
     # One trace with the batch a symbol answers every batch it allows; any other is traced at its size.
-    curve = trace_batches(workload, model, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
+    # Booked through the caching allocator's model (the default), the steps are two whole ones.
+    booked = overheads.fragmentation is None
+    curve = trace_batches(workload, model, fake_mode=fake_mode, fused_attention=overheads.fused_attention,
+                          primed=not booked)
     answered: list[int] = []
 
     def run(batch: int) -> Trial:
         if curve is not None and curve.answers(batch):
-            raw = curve.trial(batch)
+            raw, requests = curve.trial(batch), (curve.requests(batch) if booked else [])
             answered.append(batch)
         else:
-            raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention)
-        trial = _on_gpu(raw, overheads, capacity, buckets)
+            log = AllocationLog() if booked else None
+            raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention,
+                              log=log)
+            requests = log.requests() if log is not None else []
+        trial = (booked_on_gpu(raw, requests, overheads, capacity, buckets) if booked
+                 else on_gpu(raw, overheads, capacity, buckets))
         traced.append(replace(raw, fits=trial.fits))  # one verdict per batch: the GPU's
         if on_trial is not None:
             on_trial(trial)
         return trial
 
-    outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch)
+    # The curve's smallest batch (2: size one broadcasts) first, where it fits the smaller need not be
+    # traced at its own size: memory only grows with the batch.
+    start = () if curve is None else tuple(
+        run(b) for b in (max(min_batch, curve.smallest),)
+        if b > min_batch and curve.answers(b) and (max_batch is None or b <= max_batch))
+    outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, known=start)
+    outcome = replace(outcome, trials=start + outcome.trials)
     if outcome.max_batch == 0:
         first = outcome.trials[0]
         raise NoBatchFitsError(

@@ -21,7 +21,8 @@ from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype
 from ..units import format_bytes
-from .estimate import IS_THE_TRACE, Estimate, _enable_checkpointing, _on_gpu, fake_model, trace_trial
+from .estimate import IS_THE_TRACE, Estimate, _enable_checkpointing, fake_model, trace_trial
+from .overheads import on_gpu
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads
@@ -71,7 +72,7 @@ class FakeLengthRunner:
         backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention, recomputed=self.workload.grad_checkpointing)
         raw = replace(run(self._at(seq_len), self.model, backend, batch), seconds_per_step=None)
         self.traced.setdefault((mode, seq_len), []).append(raw)
-        return _on_gpu(raw, self.overheads, self.capacity)
+        return on_gpu(raw, self.overheads, self.capacity)
 
     def train(self, batch: int, seq_len: int) -> Trial:
         return self._trace("train", batch, seq_len, lambda w, m, b, n: trace_trial(

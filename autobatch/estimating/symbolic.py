@@ -63,7 +63,9 @@ class SymbolicTracker(MemoryTracker):
 
     ``windows`` holds, for each span between two ``reset_peak`` calls, the polynomials the live
     total went through (its envelope); ``current`` is the live total now. ``current_bytes`` and
-    ``peak_bytes`` read them at the symbol's hint, for code that expects numbers.
+    ``peak_bytes`` read them at the symbol's hint, for code that expects numbers. ``log`` is every
+    request and free in order, ``(token, size)`` and ``(token, None)``, to book through an
+    allocator model at any batch (:meth:`BatchCurve.requests`).
     """
 
     def __init__(self, symbol: Any, hint: int):
@@ -73,6 +75,7 @@ class SymbolicTracker(MemoryTracker):
         self.windows: list[tuple[Coefficients, ...]] = []
         self._window: set[Coefficients] = {self.current}
         self._known: dict[Any, Coefficients] = {}
+        self.log: list[tuple[int, Coefficients | None]] = []
 
     def coefficients(self, nbytes: Any) -> Coefficients:
         if isinstance(nbytes, int):
@@ -105,16 +108,16 @@ class SymbolicTracker(MemoryTracker):
     def _account(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
         key, size = id(storage), self.coefficients(storage.nbytes())
         known = self._live.get(key)
-        if known is not None:
+        if known is not None:  # resize_ grew or shrank the storage in place: booked as a free and a request
             token, old = known
             if size == old:
                 return
             self._shift(old, -1)
-            self._live[key] = (token, size)
-        else:
-            token = next(self._tokens)
-            self._live[key] = (token, size)
-            weakref.finalize(storage, self._release, key, token)
+            self.log.append((token, None))
+        token = next(self._tokens)
+        self._live[key] = (token, size)
+        self.log.append((token, size))
+        weakref.finalize(storage, self._release, key, token)
         self._shift(size, 1)
         self._window.add(self.current)
         if len(self._window) > _PRUNE_AT:
@@ -125,6 +128,7 @@ class SymbolicTracker(MemoryTracker):
         if known is not None and known[0] == token:
             del self._live[key]
             self._shift(known[1], -1)
+            self.log.append((token, None))
 
     def reset_peak(self) -> None:
         if hasattr(self, "_window"):  # the base class resets before this one is set up
@@ -169,6 +173,7 @@ class BatchCurve:
     guards: tuple[Any, ...]   # sympy conditions on the batch symbol, each must hold
     symbol: Any
     smallest: int             # the smallest batch the symbol's range allows
+    log: tuple[tuple[int, Coefficients | None], ...] = ()  # the step's requests and frees, in order
 
     def answers(self, batch: int) -> bool:
         """Whether the traced step is the step at ``batch`` (every guard holds there)."""
@@ -176,6 +181,20 @@ class BatchCurve:
             return False
         at = {self.symbol: batch}
         return all(bool(g.xreplace(at)) for g in self.guards)
+
+    def requests(self, batch: int) -> list[tuple[int, int | None]]:
+        """The step's requests and frees at ``batch``, in order: ``(token, bytes)``, ``(token, None)``."""
+        sizes: dict[Coefficients, int] = {}
+        out = []
+        for token, size in self.log:
+            if size is not None:
+                known = sizes.get(size)
+                if known is None:
+                    known = sizes[size] = _value(size, batch)
+                out.append((token, known))
+            else:
+                out.append((token, None))
+        return out
 
     def trial(self, batch: int) -> Trial:
         fb = max(_value(c, batch) for c in self.forward_backward)
@@ -185,13 +204,14 @@ class BatchCurve:
                      optimizer_bytes=opt, resident_bytes=_value(self.resident, batch))
 
 
-def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any) -> BatchCurve | None:
-    """Trace one step of ``model`` (fake, under ``backend.fake_mode``) with a symbolic batch.
+def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps: int = 1) -> BatchCurve | None:
+    """Trace ``steps`` steps of ``model`` (fake, under ``backend.fake_mode``) with a symbolic batch.
 
     ``backend`` is the :class:`~.fake_backends._FakeBackend` a per-batch trace would run on, and
-    ``workload.optimizer`` the primed optimizer it would make (see :func:`~.estimate.trace_batches`):
-    the step is the same, its sizes symbolic. ``None`` where torch cannot trace it so (the caller
-    traces batch by batch).
+    ``workload.optimizer`` the optimizer it would make (primed for one step, see
+    :func:`~.estimate.trace_batches`): the steps are the same, their sizes symbolic. Each phase's
+    peak is the largest over the steps, as a trial's. ``None`` where torch cannot trace it so (the
+    caller traces batch by batch).
     """
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -211,12 +231,16 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any) -> Bat
                 params + [b for b in model.buffers()]):
             opt = make_optimizer(workload.optimizer, [p for p in params if p.requires_grad])
             try:
-                tracker.reset_peak()
-                forward_backward(workload, model, batch, backend.device)
-                tracker.reset_peak()
-                opt.step()
-                opt.zero_grad(set_to_none=not workload.grads_held)
-                tracker.reset_peak()
+                phases: dict[str, set[Coefficients]] = {"forward_backward": set(), "optimizer": set()}
+                for _ in range(steps):
+                    tracker.reset_peak()
+                    forward_backward(workload, model, batch, backend.device)
+                    tracker.reset_peak()
+                    phases["forward_backward"].update(tracker.windows[-1])
+                    opt.step()
+                    opt.zero_grad(set_to_none=not workload.grads_held)
+                    tracker.reset_peak()
+                    phases["optimizer"].update(tracker.windows[-1])
                 resident = tracker.current
             finally:
                 del opt
@@ -230,6 +254,7 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any) -> Bat
         backend._tracker = original
         mode.shape_env, mode.static_shapes = saved
     low = env.var_to_range[symbol].lower
-    return BatchCurve(forward_backward=tracker.windows[-2], optimizer=tracker.windows[-1], resident=resident,
-                      guards=tuple(g.expr for g in env.guards), symbol=symbol, smallest=max(1, int(low)))
+    return BatchCurve(forward_backward=_envelope(phases["forward_backward"]), optimizer=_envelope(phases["optimizer"]),
+                      resident=resident, guards=tuple(g.expr for g in env.guards), symbol=symbol,
+                      smallest=max(1, int(low)), log=tuple(tracker.log))
 

@@ -69,4 +69,5 @@ def test_the_speed_table_is_written_from_its_record_and_the_guides_quote_it():
     assert set(runs) == set(speed.CASES) and set(runs["six"]["rows"]) == set(speed.STRATEGIES.split(","))
     ratio = runs["six"]["seconds"] / runs["bare"]["seconds"]
     assert f"take {runs['six']['seconds']:.0f} s, {ratio:.0f}× a bare" in (ROOT / "docs/sharding.md").read_text()
+    assert f"strategies in {runs['six']['seconds']:.0f} s" in (ROOT / "README.md").read_text()
     assert f"takes {runs['bert-large']['seconds']:.1f} s" in (ROOT / "docs/estimate.md").read_text()

@@ -324,7 +324,10 @@ def estimate(
     start = () if curve is None else tuple(
         run(b) for b in (max(min_batch, curve.smallest),)
         if b > min_batch and curve.answers(b) and (max_batch is None or b <= max_batch))
-    outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, known=start)
+    # The curve's tensor bytes lead the search over the booked trials (it calibrates them to each
+    # booking), read past its guards too: a guide there, never an answer.
+    lead = None if curve is None or not booked else (lambda b: float(curve.trial(b).peak_bytes))
+    outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, known=start, prior=lead)
     outcome = replace(outcome, trials=start + outcome.trials)
     if outcome.max_batch == 0:
         first = outcome.trials[0]

@@ -29,3 +29,20 @@ def test_an_estimate_for_several_gpus_counts_ddps_buckets_in_every_trial():
     assert eight.trials[0].batch == one.trials[0].batch
     assert eight.trials[0].reserved_bytes == one.trials[0].reserved_bytes + GRADIENTS
     assert eight.max_batch < one.max_batch
+
+
+def test_a_booked_estimate_books_ddps_buckets_before_every_trials_requests():
+    # By default the trace's requests are booked through the caching allocator's model: the buckets
+    # are held from the start, so each trial reserves them too and fewer samples fit.
+    import torch
+
+    from autobatch import Workload
+
+    wide = Workload(lambda: torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 10)),
+                    lambda b: (torch.randn(b, 2048), torch.randint(0, 10, (b,))), name="wide")
+    one = estimate(wide, gpu_memory="700MiB", headroom=0)
+    eight = estimate(wide, gpu_memory="700MiB", headroom=0, data_parallel=8)
+    buckets = eight.extra["ddp_buckets_bytes"]
+    assert buckets == (2048 * 2048 + 2048 + 2048 * 10 + 10) * 4
+    assert eight.max_batch < one.max_batch
+    assert eight.trials[0].reserved_bytes >= one.trials[0].reserved_bytes + buckets

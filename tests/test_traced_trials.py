@@ -43,11 +43,11 @@ def test_each_trial_on_one_wrapped_copy_equals_a_fresh_trial(llama, name):
 
 
 def test_an_estimate_wraps_once_per_rank_played_and_answers_as_fresh_trials(llama, monkeypatch):
-    import autobatch.distributed.traced_trials as traced
+    import autobatch.distributed.sharded_trial as sharded
 
     wraps = []
-    real_wrap = traced.wrap_model
-    monkeypatch.setattr(traced, "wrap_model", lambda *a, **k: wraps.append(1) or real_wrap(*a, **k))
+    real_wrap = sharded.wrap_model
+    monkeypatch.setattr(sharded, "wrap_model", lambda *a, **k: wraps.append(1) or real_wrap(*a, **k))
     backend = fake_backend(llama.model, 3_000_000)
     once = probe_sharded(llama, backend, "zero2", 4, headroom=0)
     assert len(wraps) == len(once.extra["sharding"]["ranks_played"]) == 2  # rank 0, then the last rank

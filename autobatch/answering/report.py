@@ -52,9 +52,9 @@ class Report:
     def fragmentation(self) -> float:
         """The reserved ÷ allocated ratio an estimate's sharded rows take (they book no requests):
         ``--fragmentation`` where given, else the default."""
-        from ..estimating.overheads import DEFAULT_FRAGMENTATION
+        from ..estimating.overheads import Overheads
 
-        return DEFAULT_FRAGMENTATION if self.request.fragmentation is None else self.request.fragmentation
+        return Overheads(fragmentation=self.request.fragmentation).multiplier
 
     @property
     def estimated(self) -> bool:

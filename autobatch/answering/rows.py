@@ -84,12 +84,14 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
     from ..estimating.overheads import beside_the_context
     from ..estimating.fake_backends import _new_fake_mode, fake_backend
 
-    # As for one GPU: the allocator's fragmentation and the libraries' workspaces come off the card.
+    # No requests kept to book: the allocator's fragmentation (its multiplier) and the libraries'
+    # workspaces come off the card.
     overheads = estimate_overheads(request)
-    usable = overheads.allocatable(beside_the_context(spec, overheads))
+    beside = beside_the_context(spec, overheads)
+    usable = overheads.allocatable(beside)
     if usable <= 0:
         raise AutobatchError(
-            f"{spec.name} keeps {format_bytes(beside_the_context(spec, overheads))} beside its CUDA context, which must "
+            f"{spec.name} keeps {format_bytes(beside)} beside its CUDA context, which must "
             f"exceed the libraries' workspaces ({request.workspace}); pass a larger --gpu-memory or a smaller --workspace")
     load = request.load_options(request.one_length)
     if isinstance(request.model, str):

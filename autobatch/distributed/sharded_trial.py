@@ -34,9 +34,10 @@ from ..probing.trial import PhasePeaks, Trial, batch_on
 from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
 from .fence import TrialFence
-from .sharding import Wrapped, local_bytes, wrap_model
+from .sharding import Wrapped, is_fake, local_bytes, wrap_model
 
-__all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial", "off_the_gpu", "train_steps", "assemble"]
+__all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial", "off_the_gpu", "train_steps", "assemble", "wrap_copy",
+           "quiet_wrappers"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,19 @@ class ShardedTrial:
 
 
 @contextmanager
+def quiet_wrappers() -> Iterator[None]:
+    """Within a trial, the wrappers' warnings that say nothing about the user's setup (undone after)."""
+    with warnings.catch_warnings():
+        # FSDP and DeepSpeed call collectives torch has renamed: its deprecation notes, once per
+        # trial, say nothing about the user's setup.
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+        # FSDP1 reads its parameters' data pointers (to tell shared storage apart); on the fake tensors
+        # of an estimate torch warns that this is "almost definitely a bug": not here, where nothing is read.
+        warnings.filterwarnings("ignore", message=r"Accessing the data pointer of FakeTensor")
+        yield
+
+
+@contextmanager
 def _current_gpu(device: torch.device) -> Iterator[None]:
     """``device`` as the current GPU for the trial, then the caller's again.
 
@@ -102,7 +116,7 @@ def off_the_gpu(template: torch.nn.Module) -> Iterator[None]:
     """
     moved: list[tuple[torch.Tensor, torch.device]] = []
     for tensor in [*template.parameters(), *template.buffers()]:
-        if tensor.device.type not in ("cpu", "meta") and not _is_fake(tensor):
+        if tensor.device.type not in ("cpu", "meta") and not is_fake(tensor):
             moved.append((tensor, tensor.device))
             tensor.data = tensor.data.to("cpu")
             if tensor.grad is not None:
@@ -116,16 +130,10 @@ def off_the_gpu(template: torch.nn.Module) -> Iterator[None]:
                 tensor.grad.data = tensor.grad.data.to(device)
 
 
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
-
-
 def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn.Module:
     memo: dict[int, Any] = {}
     for t in [*template.parameters(), *template.buffers()]:
-        if _is_fake(t):  # fake weights hold no data: a fresh fake tensor of each costs nothing
+        if is_fake(t):  # fake weights hold no data: a fresh fake tensor of each costs nothing
             with t.fake_mode:
                 fresh = torch.empty_like(t)
             memo[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(
@@ -164,13 +172,7 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
     capacity = backend.capacity()
     backend.release()
     devices = [backend.device.index or 0] if backend.device.type == "cuda" else []
-    with warnings.catch_warnings(), torch.random.fork_rng(devices=devices), _current_gpu(backend.device):
-        # FSDP and DeepSpeed call collectives torch has renamed: its deprecation notes, once per
-        # trial, say nothing about the user's setup (the filters are undone when the trial ends).
-        warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-        # FSDP1 reads its parameters' data pointers (to tell shared storage apart); on the fake tensors
-        # of an estimate torch warns that this is "almost definitely a bug": not here, where nothing is read.
-        warnings.filterwarnings("ignore", message=r"Accessing the data pointer of FakeTensor")
+    with quiet_wrappers(), torch.random.fork_rng(devices=devices), _current_gpu(backend.device):
         peaks = PhasePeaks(backend, phase_by="reserved")  # fit is decided on the reserved peak
         # Everything that refers to the wrapped copy lives in _train's frame alone: when it returns,
         # nothing of the trial is referenced, and one collection frees it all before the next trial
@@ -207,6 +209,17 @@ def assemble(batch_size: int, peaks: PhasePeaks, capacity: int, figures: dict[st
     return ShardedTrial(trial, breakdown, config or {})
 
 
+def wrap_copy(model: torch.nn.Module, workload: Workload, strategy: Strategy, backend: MemoryBackend,
+              batch_size: int, deepspeed_config: dict[str, Any] | None = None, group: Any = None) -> tuple[Wrapped, int]:
+    """``model`` (a private copy, see :func:`_copy_model`) wrapped for ``strategy`` inside the backend's
+    tracking, so only what this rank holds after wrapping counts; and what was allocated before it."""
+    with backend.track_deferred(()):
+        before = backend.allocated_bytes()
+        wrapped = wrap_model(model, strategy, workload, backend.device, batch=batch_size,
+                             deepspeed_config=deepspeed_config, group=group)
+    return wrapped, before
+
+
 def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,
            batch_size: int, peaks: PhasePeaks, deepspeed_config: dict[str, Any] | None, fence: TrialFence | None,
            ) -> tuple[dict[str, int], list[float], int | None, str | None, dict[str, Any], int]:
@@ -221,12 +234,10 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
     before = 0
     at = ["forward_backward"]  # the phase running, for the peaks of a step that ran out of memory
     try:
-        with backend.track_deferred(()):
-            before = backend.allocated_bytes()
-            wrapped = wrap_model(model, strategy, workload, backend.device, batch=batch_size,
-                                 deepspeed_config=deepspeed_config, group=None if fence is None else fence.group)
-            config = wrapped.config
-            del model
+        wrapped, before = wrap_copy(model, workload, strategy, backend, batch_size, deepspeed_config,
+                                    group=None if fence is None else fence.group)
+        config = wrapped.config
+        del model
         params = list(wrapped.module.parameters())
         figures["parameters"] = local_bytes(params)
         with backend.track_deferred(params + list(wrapped.module.buffers())):

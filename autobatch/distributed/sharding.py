@@ -21,7 +21,7 @@ from ..errors import AutobatchError
 from ..probing.workload import Workload, make_optimizer
 from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy
 
-__all__ = ["Wrapped", "wrap_model", "fsdp_units", "with_unit", "local_tensor", "local_bytes"]
+__all__ = ["Wrapped", "wrap_model", "fsdp_units", "with_unit", "local_tensor", "local_bytes", "is_fake"]
 
 
 @dataclass
@@ -144,10 +144,11 @@ def _by_size(model: torch.nn.Module, min_params: int = SIZE_BASED_MIN_PARAMS) ->
     return units
 
 
-def _is_fake(model: torch.nn.Module) -> bool:
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes only: a trace's)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(p, FakeTensor) for p in model.parameters())
+    return isinstance(tensor, FakeTensor)
 
 
 def _world() -> int:
@@ -199,7 +200,7 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
         from torch.nn.parallel import DistributedDataParallel
 
         _to(model, device)
-        if world > 1 and _is_fake(model):
+        if world > 1 and any(is_fake(p) for p in model.parameters()):
             # A trace: DDP's memory is its buckets (its reducer reads data a fake tensor has none of).
             from .ddp import traced_buckets
 

@@ -17,7 +17,6 @@ and one step a trial, where a fresh trial takes a wrap and two steps.
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,8 +28,9 @@ from ..probing.progress import working
 from ..probing.trial import PhasePeaks
 from ..probing.workload import Workload
 from ..strategy import Strategy
-from .sharded_trial import ShardedTrial, _copy_model, assemble, run_sharded_trial, train_steps
-from .sharding import Wrapped, local_bytes, wrap_model
+from .sharded_trial import (ShardedTrial, _copy_model, assemble, quiet_wrappers, run_sharded_trial, train_steps,
+                            wrap_copy)
+from .sharding import Wrapped, local_bytes
 
 __all__ = ["OneWrapper", "sharded_trials"]
 
@@ -49,9 +49,7 @@ class OneWrapper:
     def __call__(self, batch_size: int) -> ShardedTrial:
         backend, workload = self.backend, self.workload
         capacity = backend.capacity()
-        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-            warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-            warnings.filterwarnings("ignore", message=r"Accessing the data pointer of FakeTensor")
+        with quiet_wrappers(), torch.random.fork_rng(devices=[]):
             peaks = PhasePeaks(backend, phase_by="reserved")
             figures: dict[str, int] = {}
             times: list[float] = []
@@ -74,12 +72,8 @@ class OneWrapper:
 
     def _wrap(self, batch_size: int) -> None:
         backend = self.backend
-        model = _copy_model(self.template, self.workload.grad_checkpointing)
-        with backend.track_deferred(()):
-            self.before = backend.allocated_bytes()
-            self.wrapped = wrap_model(model, self.strategy, self.workload, backend.device, batch=batch_size,
-                                      deepspeed_config=self.deepspeed_config)
-            del model
+        self.wrapped, self.before = wrap_copy(_copy_model(self.template, self.workload.grad_checkpointing),
+                                              self.workload, self.strategy, backend, batch_size, self.deepspeed_config)
         params = list(self.wrapped.module.parameters())
         with backend.track_deferred(params + list(self.wrapped.module.buffers())):
             self.after_wrap = backend.allocated_bytes()

@@ -321,9 +321,9 @@ def estimate(
 
     # The curve's smallest batch (2: size one broadcasts) first, where it fits the smaller need not be
     # traced at its own size: memory only grows with the batch.
-    start = () if curve is None else tuple(
-        run(b) for b in (max(min_batch, curve.smallest),)
-        if b > min_batch and curve.answers(b) and (max_batch is None or b <= max_batch))
+    first = None if curve is None else max(min_batch, curve.smallest)
+    start = (run(first),) if first is not None and first > min_batch and curve.answers(first) and (
+        max_batch is None or first <= max_batch) else ()
     # The curve's tensor bytes lead the search over the booked trials (it calibrates them to each
     # booking), read past its guards too: a guide there, never an answer.
     lead = None if curve is None or not booked else (lambda b: float(curve.trial(b).peak_bytes))

@@ -74,7 +74,8 @@ class _GpuDropout(TorchFunctionMode):
     dtype and keeps that: four bytes an element in fp32, two in bf16. In-place dropout takes the
     noise path on both. Traced with the noise, gpt2's allocated peak on an H200 came out 3.3 % high;
     with the mask, within 0.06 % of the card's for gpt2 (fp32, bf16) and bert-base
-    (``tests/test_dropout_on_a_gpu.py`` against ``docs/benchmarks/gpu.json``).
+    (``tests/test_dropout_on_a_gpu.py`` by hand; ``tests/test_allocator_replay.py`` against
+    ``docs/benchmarks/gpu.json``).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

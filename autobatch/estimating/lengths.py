@@ -22,10 +22,9 @@ from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype
 from ..units import format_bytes
 from .estimate import IS_THE_TRACE, Estimate, _enable_checkpointing, fake_model, trace_trial
-from .overheads import on_gpu
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
-from .overheads import Overheads
+from .overheads import Overheads, on_gpu
 
 __all__ = ["FakeLengthRunner"]
 

@@ -131,7 +131,7 @@ def on_gpu(trial: Trial, overheads: Overheads, capacity: int, buckets: int = 0) 
 
 
 def booked_on_gpu(trial: Trial, requests: list[tuple[int, int | None]], overheads: Overheads, capacity: int,
-            buckets: int = 0) -> Trial:
+                  buckets: int = 0) -> Trial:
     """The traced trial as the GPU's caching allocator books it: its requests replayed on ``capacity``
     after the workspaces and DDP's buckets, fit where every request is served."""
     held = overheads.workspace_bytes + buckets

@@ -146,14 +146,7 @@ class SizeLaws:
                 live += -sizes[index] if freed else sizes[index]
                 peak = max(peak, live)
             return peak
-        cache = CachingAllocator(_UNLIMITED)
-        blocks: dict[int, object] = {}
-        for index, freed in self.shape:
-            if freed:
-                cache.free(blocks.pop(index))
-            else:
-                blocks[index] = cache.malloc(sizes[index], force=True)
-        return cache.peak_reserved
+        return book([(index, None if freed else sizes[index]) for index, freed in self.shape], _UNLIMITED).peak_reserved
 
 
 def fit_log(logs: dict[int, AllocationLog]) -> SizeLaws | None:

@@ -131,21 +131,21 @@ class SymbolicTracker(MemoryTracker):
             self.log.append((token, None))
 
     def reset_peak(self) -> None:
-        if hasattr(self, "_window"):  # the base class resets before this one is set up
-            self.windows.append(_envelope(self._window))
-            self._window = {self.current}
+        self.windows.append(_envelope(self._window))
+        self._window = {self.current}
 
+    # Read at the hint; the base class's own assignments (0 on creation) are the polynomials' to make.
     @property  # type: ignore[override]
     def current_bytes(self) -> int:
-        return _value(self.current, self.hint) if hasattr(self, "current") else 0
+        return _value(self.current, self.hint)
 
     @current_bytes.setter
-    def current_bytes(self, value: int) -> None:  # the base class sets 0 on creation
+    def current_bytes(self, value: int) -> None:
         pass
 
     @property  # type: ignore[override]
     def peak_bytes(self) -> int:
-        return max(_value(c, self.hint) for c in self._window) if hasattr(self, "_window") else 0
+        return max(_value(c, self.hint) for c in self._window)
 
     @peak_bytes.setter
     def peak_bytes(self, value: int) -> None:

@@ -4,10 +4,12 @@ On the GPU machine, from the repository root::
 
     python -m benchmarks.gpu run --out DIR
 
-runs ``pytest -m gpu`` (the command block's own lines are run below, not twice), then each
-``autobatch`` line of the block with its ``--json`` output kept, and writes ``DIR/gpu.json``
-(the card, the versions, every command's JSON, return code and seconds) and ``DIR/pytest-gpu.txt``.
-Back on any machine::
+runs, most wanted first and within ``--budget`` seconds: the peaks at fixed batches
+(``benchmarks.peaks``, into ``DIR/peaks.json``), ``pytest -m gpu`` (the command block's own lines
+are run below, not twice; ``DIR/pytest-gpu.txt``), the wall-time table on a capped card
+(``benchmarks.wall``), then each ``autobatch find`` line of the block with its ``--json`` output
+kept. ``DIR/gpu.json`` holds the card, the versions, and every part's JSON, return code and
+seconds. Back on any machine::
 
     python -m benchmarks.gpu report DIR/gpu.json
 
@@ -45,45 +47,98 @@ def commands() -> list[str]:
 def _card() -> dict[str, Any]:
     import torch
 
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True)
-    return {"gpu": torch.cuda.get_device_name(0), "total_bytes": torch.cuda.get_device_properties(0).total_memory,
-            "nvidia_smi": smi.stdout.strip(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        smi = ""
+    cuda = torch.cuda.is_available()
+    return {"gpu": torch.cuda.get_device_name(0) if cuda else "none",
+            "total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0,
+            "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": dt.date.today().isoformat()}
 
 
-def run(out: Path, timeout: int = 150) -> dict[str, Any]:
+def _left(deadline: float) -> float:
+    return deadline - time.perf_counter()
+
+
+def _finds() -> list[str]:
+    """The block's ``find`` lines, llama-1b first (never measured on a card yet). The block's
+    ``estimate`` lines need no GPU: the report makes them on any machine."""
+    finds = [line for line in commands() if line.startswith("autobatch find ")]
+    return sorted(finds, key=lambda line: "llama-1b" not in line)
+
+
+def run(out: Path, timeout: int = 150, budget: float = 540, cap: str = "16GiB",
+        peak_cases: list[str] | None = None) -> dict[str, Any]:
+    """Everything a GPU machine is for, most wanted first, within ``budget`` seconds in all: the
+    peaks at fixed batches (``benchmarks.peaks``), ``pytest -m gpu``, the wall-time table on a card
+    capped at ``cap`` (``benchmarks.wall``), then the block's ``find`` lines. Each part is written
+    to ``out`` as it ends, so a run cut short keeps what it measured."""
+    from benchmarks import wall
+
+    deadline = time.perf_counter() + budget
     out.mkdir(parents=True, exist_ok=True)
-    record: dict[str, Any] = {"card": _card(), "runs": []}
-    start = time.perf_counter()
-    # A GPU image may lack a dependency only test_tune imports at the top (optuna): leave that file out.
-    missing = [] if importlib.util.find_spec("optuna") else ["--ignore", "tests/test_tune.py"]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-k", "not gpu_command_runs",
-                            "-p", "no:cacheprovider", *missing], cwd=ROOT, capture_output=True, text=True)
-    (out / "pytest-gpu.txt").write_text(tests.stdout + tests.stderr)
-    record["pytest"] = {"rc": tests.returncode, "seconds": round(time.perf_counter() - start, 1),
-                        "summary": (tests.stdout.strip().splitlines() or [""])[-1]}
-    print(record["pytest"], flush=True)
-    for line in commands():
-        argv = shlex.split(line)
-        if argv[0] != "autobatch":
-            continue
+    record: dict[str, Any] = {"card": _card(), "runs": [], "skipped": []}
+
+    def save() -> None:
+        (out / "gpu.json").write_text(json.dumps(record, indent=1) + "\n")
+
+    def bounded(argv: list[str], limit: float) -> tuple[Any, str, str, float]:
         start = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, "-m", "autobatch", *argv[1:]], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=timeout)
-            rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+            proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+            return proc.returncode, proc.stdout, proc.stderr, round(time.perf_counter() - start, 1)
         except subprocess.TimeoutExpired as e:
-            rc, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
+            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            return f"timeout ({limit:.0f} s)", text(e.stdout), text(e.stderr), round(time.perf_counter() - start, 1)
+
+    rc, _, err, seconds = bounded([sys.executable, "-m", "benchmarks.peaks", "run", "--out", str(out / "peaks.json"),
+                                   *(["--cases", *peak_cases] if peak_cases else [])], min(150, _left(deadline) - 10))
+    record["peaks"] = {"rc": rc, "seconds": seconds, "stderr_tail": err[-3000:]}
+    print("peaks", rc, seconds, flush=True)
+    save()
+    # A GPU image may lack a dependency only test_tune imports at the top (optuna): leave that file out.
+    missing = [] if importlib.util.find_spec("optuna") else ["--ignore", "tests/test_tune.py"]
+    rc, stdout, stderr, seconds = bounded([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-k", "not gpu_command_runs",
+                                           "-p", "no:cacheprovider", *missing],
+                                          max(30.0, min(150, _left(deadline) - 200)))
+    (out / "pytest-gpu.txt").write_text(stdout + stderr)
+    record["pytest"] = {"rc": rc, "seconds": seconds, "summary": (stdout.strip().splitlines() or [""])[-1]}
+    print(record["pytest"], flush=True)
+    save()
+    record["wall"] = {"cap": cap, "rows": []}
+    for case in wall.CASES:
+        if _left(deadline) < 60:
+            record["skipped"].append(f"wall {case.name}")
+            continue
+        runs = {}
+        for mode in ("trace", "trials"):
+            try:
+                runs[mode] = wall.child(case, device="cuda", trace=mode == "trace", dtype="bf16", cap=cap,
+                                        timeout=min(90, _left(deadline) - 10))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                runs[mode] = {"error": str(exc)[-1500:]}
+        record["wall"]["rows"].append({"case": case.name, "kind": case.kind, **runs})
+        print("wall", case.name, {m: r.get("max_batch", r.get("error", "")[:80]) for m, r in runs.items()}, flush=True)
+        save()
+    for line in _finds():
+        if _left(deadline) < 40:
+            record["skipped"].append(line)
+            continue
+        argv = shlex.split(line)
+        rc, stdout, stderr, seconds = bounded([sys.executable, "-m", "autobatch", *argv[1:]],
+                                              min(timeout, _left(deadline) - 10))
         try:
             answer = json.loads(stdout)
         except (json.JSONDecodeError, TypeError):
             answer = None
-        record["runs"].append({"command": line, "rc": rc, "seconds": round(time.perf_counter() - start, 1),
-                               "json": answer, "stderr_tail": str(stderr)[-2000:]})
-        print(line, rc, record["runs"][-1]["seconds"], flush=True)
-        (out / "gpu.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / "gpu.json").write_text(json.dumps(record, indent=1) + "\n")
+        record["runs"].append({"command": line, "rc": rc, "seconds": seconds, "json": answer,
+                               "stderr_tail": str(stderr)[-2000:]})
+        print(line, rc, seconds, flush=True)
+        save()
+    save()
     return record
 
 
@@ -154,12 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
-    r.add_argument("--timeout", type=int, default=150)
+    r.add_argument("--timeout", type=int, default=150, help="seconds one find may take")
+    r.add_argument("--budget", type=float, default=540, help="seconds for the whole run")
+    r.add_argument("--cap", default="16GiB", help="GPU memory per process for the wall-time table")
+    r.add_argument("--peak-cases", nargs="*", default=None, help="benchmarks.peaks cases (default: all)")
     p = sub.add_parser("report")
     p.add_argument("source", nargs="?", default=str(ROOT / "docs/benchmarks/gpu.json"))
     args = parser.parse_args(argv)
     if args.what == "run":
-        run(Path(args.out), args.timeout)
+        run(Path(args.out), args.timeout, args.budget, args.cap, args.peak_cases)
     else:
         print(report(Path(args.source)))
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m benchmarks.wall"
 MODELS_FILE = "benchmarks/wall_models.py"
 
-__all__ = ["WallCase", "CASES", "run_one", "run", "markdown", "main"]
+__all__ = ["WallCase", "CASES", "run_one", "child", "run", "markdown", "main"]
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,13 @@ def run_one(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | 
     }
 
 
-def _child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None) -> dict[str, Any]:
+def child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None,
+          timeout: float | None = None) -> dict[str, Any]:
+    """:func:`run_one` in a fresh process, as a user's ``autobatch find`` runs, with its wall time."""
     argv = [sys.executable, "-m", "benchmarks.wall", "--one", case.name, "--device", device, "--dtype", dtype,
             "--trace" if trace else "--no-trace", *(["--cap", cap] if cap else [])]
     start = time.perf_counter()
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{case.name} (trace={trace}) failed:\n{proc.stderr[-3000:]}")
@@ -100,7 +102,7 @@ def _child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | N
 def run(cases: list[WallCase], *, device: str, dtype: str, cap: str | None) -> list[dict[str, Any]]:
     rows = []
     for case in cases:
-        runs = {mode: _child(case, device=device, trace=mode == "trace", dtype=dtype, cap=cap)
+        runs = {mode: child(case, device=device, trace=mode == "trace", dtype=dtype, cap=cap)
                 for mode in ("trace", "trials")}
         # On the CPU both must agree (one deterministic budget); on a real GPU they may not, where
         # the fit is not monotone near the edge (kernels and the allocator's blocks change with the

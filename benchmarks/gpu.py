@@ -164,8 +164,9 @@ def _gap(estimated: int | None, found: int | None) -> str:
 
 def report(source: Path, out: Path = ROOT / "docs/benchmarks/gpu.md",
            estimate: Callable[[str], dict[str, Any] | None] = estimate_now) -> str:
-    """``docs/benchmarks/gpu.md`` from a run's ``gpu.json``: each find beside the estimate made then
-    (on the GPU machine) and the estimate this checkout makes now for the same settings."""
+    """``docs/benchmarks/gpu.md`` from a run's ``gpu.json``: each find beside the estimate this
+    checkout makes now for the same settings on that card. Writes ``wall_cuda.md`` beside it too,
+    where the run holds the wall-time table."""
     record = json.loads((source / "gpu.json" if source.is_dir() else source).read_text())
     card, runs = record["card"], record["runs"]
     lines = [
@@ -175,33 +176,42 @@ def report(source: Path, out: Path = ROOT / "docs/benchmarks/gpu.md",
         "",
         "Written by `python -m benchmarks.gpu report docs/benchmarks/gpu.json` from the runs' record "
         "(`gpu.json`, made there by `python -m benchmarks.gpu run`); the last columns are this checkout's "
-        "estimate for the same settings, made when the report is written.",
+        "estimate for the same settings on that card, made when the report is written. The peaks at fixed "
+        "batches are in `peaks.md`, the wall-time table in `wall_cuda.md`.",
         "",
         f"`pytest -m gpu`: {record['pytest']['summary']}.",
         "",
-        "| model | dtype | found on the card: max | safe | trials | trace s | find s | estimated then: max | "
-        "vs found | estimated now: max | safe | vs found |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | dtype | found on the card: max | safe | trials | trace s | find s | estimated now: max | safe | vs found |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    guessed = {_settings(r["command"]): r for r in runs if " estimate " in f" {r['command']} "}
     for run_ in runs:
         if " find " not in f" {run_['command']} ":
             continue
         key = _settings(run_["command"])
         found = run_["json"] or {}
-        then = (guessed.get(key) or {}).get("json") or {}
         now = estimate(run_["command"]) or {}
         fmax = found.get("max_batch")
         trace = (found.get("trace_prior") or {}).get("seconds")
         lines.append(
             f"| {key[0]} | {key[1]} | {fmax if fmax is not None else run_['rc']} | {found.get('safe_batch', '–')} | "
             f"{len(found.get('trials') or []) or '–'} | {trace if trace is not None else '–'} | {run_['seconds']} | "
-            f"{then.get('max_batch', '–')} | {_gap(then.get('max_batch'), fmax)} | {now.get('max_batch', '–')} | "
-            f"{now.get('safe_batch', '–')} | {_gap(now.get('max_batch'), fmax)} |")
+            f"{now.get('max_batch', '–')} | {now.get('safe_batch', '–')} | {_gap(now.get('max_batch'), fmax)} |")
     lines += ["", "Commands run there:", "", "```bash", *[r["command"] for r in runs], "```", ""]
     text = "\n".join(lines)
     out.write_text(text)
+    if (record.get("wall") or {}).get("rows"):
+        (out.parent / "wall_cuda.md").write_text(wall_table(record))
     return text
+
+
+def wall_table(record: dict[str, Any]) -> str:
+    """The wall-time table of a GPU run (``benchmarks.wall``'s, on the capped card)."""
+    from benchmarks import wall
+
+    rows = [r for r in record["wall"]["rows"] if "error" not in r["trace"] and "error" not in r["trials"]]
+    cap = record["wall"]["cap"]
+    return wall.markdown(rows, device="cuda", dtype="bf16", cap=cap, argv=["--device", "cuda", "--cap", cap],
+                         date=record["card"]["date"])
 
 
 def main(argv: list[str] | None = None) -> None:

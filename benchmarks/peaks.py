@@ -150,11 +150,14 @@ def run(out: Path, cases: list[PeakCase] = CASES) -> dict[str, Any]:
 
 def traced(case: PeakCase, batches: list[int], capacity: int) -> dict[int, dict[str, Any]]:
     """The trace's figures for ``case`` at ``batches``: tensor bytes and the allocator model's booking."""
-    from autobatch.estimating.estimate import _new_fake_mode, fake_model, trace_batches
+    from autobatch.estimating.estimate import _enable_checkpointing, _new_fake_mode, fake_model, trace_batches
     from autobatch.estimating.replay import book
 
     mode = _new_fake_mode()
     work = case.workload(fake_model(case.factory(), mode))
+    if case.grad_checkpointing:  # as the estimate does
+        with mode:
+            _enable_checkpointing(work.model)
     curve = trace_batches(work, work.model, fake_mode=mode, primed=False)
     figures = {}
     for batch in batches:
@@ -210,6 +213,16 @@ def markdown(record: dict[str, Any], traces: dict[str, dict[int, dict[str, Any]]
                 f"{_gib(t['reserved_bytes'])} | {_gib(mine['reserved']) if mine else '–'} | "
                 f"{_gap(mine['reserved'], t['reserved_bytes']) if mine else '–'} | "
                 f"{_gib(after['used'] - after['reserved'])} |")
+    gaps = [(row["case"]["name"], t["batch"], mine["allocated"] / t["peak_bytes"] - 1, mine["reserved"] / t["reserved_bytes"] - 1)
+             for row in record["cases"] if isinstance(traces.get(row["case"]["name"]), dict)
+             for t in row["trials"] if t["fits"] and (mine := traces[row["case"]["name"]].get(t["batch"]))]
+    if gaps:
+        worst = max(gaps, key=lambda g: abs(g[2]))
+        off = sorted({name for name, _, _, r in gaps if abs(r) > 0.05})
+        lines += ["", f"Tensor bytes: within {abs(worst[2]):.1%} of the card at all {len(gaps)} batches (the farthest: "
+                  f"{worst[0]} at {worst[1]}). Booked reserved: within 5 % at "
+                  f"{sum(abs(r) <= 0.05 for *_, r in gaps)} of {len(gaps)}"
+                  + (f"; beyond it: {', '.join(off)}." if off else ".")]
     return "\n".join(lines) + "\n"
 
 

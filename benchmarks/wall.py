@@ -122,7 +122,8 @@ def _answers(traced: dict[str, Any], alone: dict[str, Any]) -> str:
     return str(a) if a == b else f"{a} / {b} alone"
 
 
-def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | None, argv: list[str]) -> str:
+def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | None, argv: list[str],
+             date: str | None = None) -> str:
     name = rows[0]["trace"]["device_name"] if rows else device
     where = (f"{name}, capped at {cap} per process" if cap else name) if device == "cuda" else (
         f"CPU ({name}), simulated budgets as listed")
@@ -131,7 +132,7 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
         "",
         f"`{COMMAND} {' '.join(argv)}`".replace("  ", " ").replace(" `", "`"),
         "",
-        f"{dt.date.today().isoformat()} · {where} · {dtype} · AdamW · headroom 0 · each run a fresh process",
+        f"{date or dt.date.today().isoformat()} · {where} · {dtype} · AdamW · headroom 0 · each run a fresh process",
         "",
         "| model | what | budget | answer | trials: trace-led | trials alone | wall s: trace-led | alone | trace s | led |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|",

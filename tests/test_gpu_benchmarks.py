@@ -22,9 +22,18 @@ def test_the_gpu_report_puts_every_find_beside_its_estimates(tmp_path):
     finds = [r for r in record["runs"] if " find " in f" {r['command']} "]
     rows = _rows(text)
     assert len(rows) == len(finds) == 4
-    gpt2 = rows[0]
-    assert gpt2[:3] == ["gpt2", "fp32", "74"] and gpt2[7] == "76" and gpt2[8] == "+2.7%" and gpt2[-1] == "+35.1%"
-    assert [r[2] for r in rows] == ["74", "93", "348", "timeout (55 s)"]
+    gpt2 = rows[1]
+    assert gpt2[:3] == ["gpt2", "fp32", "74"] and gpt2[7] == "100" and gpt2[-1] == "+35.1%"
+    assert [r[:3] for r in rows] == [["llama-1b", "bf16", "15"], ["gpt2", "fp32", "74"], ["gpt2", "bf16", "93"],
+                                     ["bert-base", "bf16", "348"]]
+
+
+def test_the_committed_wall_table_on_the_card_is_the_records_own():
+    record = json.loads(RECORD.read_text())
+    assert (ROOT / "docs/benchmarks/wall_cuda.md").read_text() == gpu.wall_table(record)
+    assert len(record["wall"]["rows"]) == len(wall.CASES)
+    written = [line for line in gpu.wall_table(record).splitlines() if line.startswith("|")]
+    assert "\n".join(written) in (ROOT / "docs/search.md").read_text()
 
 
 def test_the_committed_gpu_table_is_the_reports_own(tmp_path):

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .errors import AutobatchError, MissingDependencyError
+from .errors import AutobatchError
+from .hf_models import ATTENTION, hf_model, import_transformers, max_positions
 from .probing.samples import takes_seq_len
 from .probing.workload import Workload, default_loss
 
@@ -87,6 +88,7 @@ _LLAMA_1B = dict(
     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True,
     rope_theta=500000.0,
 )
+_HF = ("gpt2", "llama", "bert")  # the built-in families transformers builds
 BUILTIN_MODELS: dict[str, _Builtin] = {
     "gpt2": _Builtin("gpt2", {}, 1024, "GPT-2 small, 124M", 124_439_808),
     "gpt2-medium": _Builtin("gpt2", dict(n_embd=1024, n_layer=24, n_head=16), 1024, "GPT-2 medium, 355M", 354_823_168),
@@ -107,47 +109,13 @@ BUILTIN_MODELS: dict[str, _Builtin] = {
 }
 
 
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise MissingDependencyError(
-            "this model needs transformers, which is not installed; pip install 'autobatch[hf]'"
-        ) from None
-    transformers.logging.set_verbosity_error()
-    return transformers
+_NONE = _Builtin("", {}, 0, "", 0)
 
 
 def _hf_config(spec: _Builtin) -> Any:
-    tf = _transformers()
+    tf = import_transformers()
     cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig, "bert": tf.BertConfig}[spec.family]
     return cls(**spec.config)
-
-
-def _hf_model(config: Any, family: str, trust_remote_code: bool = False) -> tuple[torch.nn.Module, str]:
-    tf = _transformers()
-    if family == "bert" or getattr(config, "model_type", "") in ("bert", "roberta", "distilbert", "deberta-v2"):
-        return tf.AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code), "masked-lm"
-    try:
-        return tf.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code), "causal-lm"
-    except ValueError:
-        pass
-    try:
-        return tf.AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code), "masked-lm"
-    except ValueError:
-        kind = getattr(config, "model_type", type(config).__name__)
-        raise AutobatchError(
-            f"hf: models train as causal or masked language models here, but {kind!r} is neither (a seq2seq, "
-            "vision or other head); build it in your own file and pass --model file.py:fn returning an "
-            "autobatch.Workload with its batches and loss") from None
-
-
-def _max_positions(config: Any) -> int | None:
-    for key in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def _lm_batches(vocab_size: int, seq_len: int, task: str) -> Callable[[int], dict[str, torch.Tensor]]:
@@ -162,13 +130,13 @@ def _lm_batches(vocab_size: int, seq_len: int, task: str) -> Callable[[int], dic
 
 
 def _lm_source(name: str, config: Any, family: str, seq_len: int | None, default_seq: int,
-               trust_remote_code: bool = False) -> ModelSource:
+               trust_remote_code: bool = False, attention: str | None = None) -> ModelSource:
     seq = default_seq if seq_len is None else seq_len
-    limit = _max_positions(config)
+    limit = max_positions(config)
     if seq < 1 or (limit is not None and seq > limit):
         fix = "; pass a shorter --seq-len" if seq >= 1 else ""
         raise AutobatchError(f"seq_len must be between 1 and the model's {limit} positions, but got seq_len={seq}{fix}")
-    model, task = _hf_model(config, family, trust_remote_code)
+    model, task = hf_model(config, family, trust_remote_code, attention)
     vocab = config.vocab_size
 
     def make_batch_at(b: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -294,6 +262,7 @@ def load_model(
     input_shape: str | tuple[int, ...] | None = None,
     num_classes: int = 10,
     trust_remote_code: bool = False,
+    attention: str | None = None,
 ) -> ModelSource:
     """Build the model named by ``spec`` with random weights, and its batches.
 
@@ -303,6 +272,8 @@ def load_model(
         input_shape: per-sample input shape for your own ``nn.Module`` (e.g. ``"3,224,224"``).
         num_classes: classes for the classification loss of your own ``nn.Module``.
         trust_remote_code: allow transformers to run code shipped with an ``hf:`` model.
+        attention: the attention implementation a built-in transformer or ``hf:`` model is built
+            with, ``"sdpa"`` (fused) or ``"eager"`` (keeps the probabilities); default the model's own.
 
     Example:
         >>> source = load_model("tiny-gpt2", seq_len=16)
@@ -311,6 +282,11 @@ def load_model(
     """
     if input_shape is not None and (spec in BUILTIN_MODELS or spec.startswith("hf:")):
         raise AutobatchError(_own_batches(spec))
+    if attention is not None and attention not in ATTENTION:
+        raise AutobatchError(f"attention must be one of {', '.join(ATTENTION)}, but got {attention!r}")
+    if attention is not None and not (spec.startswith("hf:") or BUILTIN_MODELS.get(spec, _NONE).family in _HF):
+        raise AutobatchError(f"attention picks the attention transformers builds a built-in or hf: model with, but "
+                             f"{spec} is built by its own code; drop --attention (set it where that model is built)")
     if spec in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[spec]
         if seq_len is not None and builtin.family in ("mlp", "cnn"):
@@ -319,10 +295,10 @@ def load_model(
             return _classifier(spec, _tiny_mlp(), (64,), 10)
         if builtin.family == "cnn":
             return _classifier(spec, _tiny_cnn(), (3, 32, 32), 10)
-        return _lm_source(spec, _hf_config(builtin), builtin.family, seq_len, builtin.seq_len)
+        return _lm_source(spec, _hf_config(builtin), builtin.family, seq_len, builtin.seq_len, attention=attention)
     if spec.startswith("hf:"):
         name = spec[3:]
-        tf = _transformers()
+        tf = import_transformers()
         try:
             config = tf.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
@@ -331,8 +307,8 @@ def load_model(
                 f"cannot read a transformers config from {name!r} ({first}); pass a local directory with "
                 "config.json (works offline), and --trust-remote-code only for code you trust"
             ) from None
-        return _lm_source(spec, config, getattr(config, "model_type", ""), seq_len, min(_max_positions(config) or 1024, 1024),
-                          trust_remote_code)
+        return _lm_source(spec, config, getattr(config, "model_type", ""), seq_len, min(max_positions(config) or 1024, 1024),
+                          trust_remote_code, attention)
     if ":" in spec:
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
             raise AutobatchError(f"num_classes must be a positive integer, but got num_classes={num_classes!r}; "
@@ -380,7 +356,7 @@ def count_parameters(name: str) -> int:
         model = _tiny_cnn()
     else:
         with torch.device("meta"):
-            model, _ = _hf_model(_hf_config(builtin), builtin.family)
+            model, _ = hf_model(_hf_config(builtin), builtin.family)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -1,10 +1,9 @@
 """``Request``: what to answer, frozen, and checked whole on construction before anything runs.
 
-A request names the model (or none: plan only), the plan's limits, the strategies, lengths and
-evaluation, the device (a GPU or a simulated budget to probe, or a named GPU to estimate for),
-the cache policy and the files to write. Every problem is collected and raised together as one
-:class:`~autobatch.errors.RequestError`, each naming the option as the caller spelt it:
-``max_micro`` from Python, ``--max-micro`` from the command line.
+A request names the model (or none: plan only), the plan's limits, the strategies, lengths and evaluation,
+the device (a GPU or a simulated budget to probe, or a named GPU to estimate for), the cache policy and the
+files to write. Every problem is collected and raised together as one :class:`~autobatch.errors.RequestError`,
+each naming the option as the caller spelt it: ``max_micro`` from Python, ``--max-micro`` from the command line.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ import torch
 
 from ..errors import AutobatchError, RequestError, option
 from ..strategy import Strategy, parse_strategies
-from ..units import parse_bytes
 from .mixed import gpu_problems, mixed_gpus, uneven_problems
-from .sizes import budgets_of, per_rank_problems, size_problems
+from .sizes import budgets_of, per_rank_problems, size_problems, unit_problems
 
 __all__ = ["Request", "MODES"]
 
@@ -37,16 +35,18 @@ class Request:
     Model: ``model`` is a built-in name, ``hf:NAME``, ``file.py:fn`` or ``module:fn`` (as ``--model``),
     an ``nn.Module`` or a function building one (with ``make_batch(b)`` and optionally ``loss_fn``),
     a :class:`~autobatch.Workload`, or ``None``: plan only, from ``max_micro`` (``autobatch solve``).
-    ``seq_len`` is one length or several (one row each); ``evaluation`` adds the evaluation batch.
+    ``seq_len`` is one length or several (one row each); ``evaluation`` adds the evaluation batch;
+    ``attention`` builds a transformers model with ``"sdpa"`` or ``"eager"`` attention.
 
     Plan: ``target`` (the global batch), ``gpus_per_node`` × ``nodes`` ÷ ``model_parallel`` ranks
     (default: the GPUs visible here, or the launcher's), ``max_micro``/``min_micro``/``multiple_of``
     limit the micro batch (``micro_batch`` fixes it, for a plan alone), ``base_lr``/``base_batch``
     scale the learning rate.
 
-    Device: ``device``/``memory`` probe a GPU or the CPU against a simulated budget; ``gpu`` or
-    ``gpu_memory`` estimate for a named card from a fake-tensor trace. ``estimate=None`` (the
-    default) probes wherever it can and estimates where there is no GPU; ``True`` always estimates.
+    Device: ``device``/``memory`` probe a GPU or the CPU against a simulated budget; ``gpu`` or ``gpu_memory``
+    estimate for a named card from a fake-tensor trace (``cuda_context``: its CUDA context, default the card's
+    catalogue value). ``estimate=None`` (the default) probes wherever it can and estimates where there is no
+    GPU; ``True`` always estimates.
     Outputs: ``deepspeed``, ``accelerate``, ``hf`` (merged into existing files) and ``plot``.
 
     Example:
@@ -70,6 +70,7 @@ class Request:
     input_shape: str | tuple[int, ...] | None = None
     num_classes: int = 10
     trust_remote_code: bool = False
+    attention: str | None = None   # transformers' attention implementation: "sdpa" or "eager"
     dtype: str = "fp32"
     optimizer: str = "adamw"
     grad_checkpointing: bool = False
@@ -98,6 +99,7 @@ class Request:
     estimate: bool | None = None
     fragmentation: float | None = None   # None: book the traced requests through the caching allocator's model
     workspace: int | str = "64MiB"
+    cuda_context: int | str | None = None   # None: the card's catalogue value
     # search and cache
     cache: bool = False
     trace_prior: bool = True
@@ -206,7 +208,7 @@ class Request:
     def load_options(self, seq_len: int | None) -> dict[str, Any]:
         """The keyword arguments of :func:`autobatch.load_model` for a model named by a string."""
         return dict(seq_len=seq_len, input_shape=self.input_shape, num_classes=self.num_classes,
-                    trust_remote_code=self.trust_remote_code)
+                    trust_remote_code=self.trust_remote_code, attention=self.attention)
 
     def settings(self) -> dict[str, Any]:
         """The training settings of the workload."""
@@ -280,17 +282,8 @@ class Request:
         budgets = budgets_of(self.memory) or ()
         if len(budgets) > 1:
             problems.extend(per_rank_problems(self.memory, len(budgets), self.launched))
-        for name, value in [*(("memory", b) for b in budgets), ("gpu_memory", self.gpu_memory),
-                            ("workspace", self.workspace)]:
-            if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
-                problems.append(f"{option(name)} needs a unit as a string ({value!r} would be {value} bytes); write "
-                                f"e.g. '{value.strip()}GiB', or pass a number of bytes as an int")
-                continue
-            if value is not None:
-                try:
-                    parse_bytes(value)
-                except (AutobatchError, ValueError, TypeError):
-                    problems.append(f"{option(name)} must be a positive size (2GiB, 512MiB), but got {value!r}")
+        problems.extend(unit_problems([*(("memory", b) for b in budgets), ("gpu_memory", self.gpu_memory),
+                                       ("workspace", self.workspace), ("cuda_context", self.cuda_context)]))
         for i, budget in enumerate(budgets or (None,)):
             problems.extend(size_problems(budget, self.gpu_memory if i == 0 else None))
         if self.fragmentation is not None and (not isinstance(self.fragmentation, numbers.Real)

@@ -109,11 +109,13 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
 
 
 def estimate_overheads(request: Request) -> Any:
-    """What an estimate adds to a traced peak on a GPU: the request's fragmentation and workspaces."""
+    """What an estimate adds to a traced peak on a GPU: the request's fragmentation, workspaces and CUDA context."""
     from ..estimating.overheads import Overheads
     from ..units import parse_bytes
 
-    return Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace))
+    context = None if request.cuda_context is None else parse_bytes(request.cuda_context)
+    return Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace),
+                     context_bytes=context)
 
 
 def estimate_workload(request: Request) -> Any:

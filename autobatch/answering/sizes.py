@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import AutobatchError, option
 from ..units import format_bytes, parse_bytes
 
-__all__ = ["MAX_GPU_MEMORY", "host_memory", "size_problems", "budgets_of", "per_rank_problems"]
+__all__ = ["MAX_GPU_MEMORY", "host_memory", "size_problems", "unit_problems", "budgets_of", "per_rank_problems"]
 
 MAX_GPU_MEMORY = 4 << 40
 
@@ -73,3 +73,18 @@ def per_rank_problems(memory: Any, count: int, launched: bool) -> list[str]:
         return [f"{option('memory')} {spelt} gives {count} budgets, but the launcher started {world} ranks; "
                 "give one budget for all, or one per rank"]
     return []
+
+
+def unit_problems(named: list[tuple[str, Any]]) -> list[str]:
+    """Each ``(option, value)`` that is no size: a number as a string (no unit), or unreadable."""
+    problems = []
+    for name, value in named:
+        if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
+            problems.append(f"{option(name)} needs a unit as a string ({value!r} would be {value} bytes); write "
+                            f"e.g. '{value.strip()}GiB', or pass a number of bytes as an int")
+        elif value is not None:
+            try:
+                parse_bytes(value)
+            except (AutobatchError, ValueError, TypeError):
+                problems.append(f"{option(name)} must be a positive size (2GiB, 512MiB), but got {value!r}")
+    return problems

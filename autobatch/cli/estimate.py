@@ -9,6 +9,8 @@ from .find import answer_and_print
 from .options import (
     AccelerateOut,
     AsJson,
+    Attention,
+    CudaContext,
     DeepSpeedOut,
     Dtype,
     Evaluation,
@@ -49,6 +51,7 @@ __all__ = ["estimate_command", "gpus_command", "models_command"]
     "autobatch estimate --model gpt2 --gpu h100-80gb --target 224 --gpus 8",
     "autobatch estimate --model llama-1b --gpu-memory 40GiB --seq-len 2048 --dtype bf16",
     "autobatch estimate --model gpt2 --gpu a100-80gb:4,a100-40gb:4 --target 512 --uneven",
+    "autobatch estimate --model bert-base --gpu v100-16gb --attention eager --cuda-context 1.3GiB",
 ])
 def estimate_command(
     model: ModelSpec, gpu: GpuName = None, gpu_memory: GpuMemory = None,
@@ -57,10 +60,11 @@ def estimate_command(
     gpus: GpusPerNode = None, nodes: Nodes = 1, model_parallel: ModelParallel = 1, multiple_of: MultipleOf = None,
     seq_len: SeqLens = None, evaluation: Evaluation = False, train_seq_len: TrainSeqLen = None,
     input_shape: InputShape = None, num_classes: NumClasses = 10, trust_remote_code: TrustRemoteCode = False,
-    dtype: Dtype = "fp32", optimizer: OptimizerName = "adamw", grad_checkpointing: GradCheckpointing = False,
+    attention: Attention = None, dtype: Dtype = "fp32", optimizer: OptimizerName = "adamw", grad_checkpointing: GradCheckpointing = False,
     grads_held: GradsHeld = False,
     headroom: Headroom = "5%", max_micro: MaxMicro = None, min_micro: MinMicro = None,
-    fragmentation: Fragmentation = None, workspace: Workspace = "64MiB", deepspeed: DeepSpeedOut = None,
+    fragmentation: Fragmentation = None, workspace: Workspace = "64MiB", cuda_context: CudaContext = None,
+    deepspeed: DeepSpeedOut = None,
     accelerate: AccelerateOut = None, hf: HfOut = None, script: Script = "train.py",
     strategy: StrategyOption = None, offload: OffloadOption = None, fsdp_unit: FsdpUnitOption = None,
     uneven: Uneven = False, as_json: AsJson = False,

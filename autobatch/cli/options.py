@@ -22,7 +22,7 @@ __all__ = [
     "ModelSpec",
     "MultipleOf", "Nodes", "NumClasses", "OptimizerName", "Script", "SeqLen", "SeqLens", "Evaluation", "TrainSeqLen",
     "SimulatedMemory", "Target", "StrategyOption", "Uneven", "OffloadOption", "FsdpUnitOption",
-    "TrustRemoteCode", "headroom_value", "size_value", "model_load_options",
+    "TrustRemoteCode", "Attention", "CudaContext", "headroom_value", "size_value", "model_load_options",
     "FindTarget", "GpusHere", "NoCache", "NoTracePrior", "PlotOut", "Timeout", "Fragmentation", "Workspace",
     "FLAGS", "parse_seq_lens", "request_from",
 ]
@@ -31,6 +31,7 @@ __all__ = [
 FLAGS = {
     "model": "--model", "seq_len": "--seq-len", "train_seq_len": "--train-seq-len", "evaluation": "--eval",
     "input_shape": "--input-shape", "num_classes": "--num-classes", "trust_remote_code": "--trust-remote-code",
+    "attention": "--attention", "cuda_context": "--cuda-context",
     "dtype": "--dtype", "optimizer": "--optimizer", "grad_checkpointing": "--grad-checkpointing",
     "grads_held": "--grads-held",
     "target": "--target", "gpus_per_node": "--gpus", "nodes": "--nodes", "model_parallel": "--model-parallel",
@@ -82,6 +83,12 @@ NumClasses = Annotated[int, typer.Option(
 )]
 TrustRemoteCode = Annotated[bool, typer.Option(
     "--trust-remote-code", rich_help_panel=_MODEL, help="Let an hf: model run the code it ships with.",
+)]
+Attention = Annotated[str | None, typer.Option(
+    "--attention", rich_help_panel=_MODEL,
+    help="sdpa or eager: the attention a built-in or hf: transformers model is built with. eager keeps the "
+         "attention probabilities (O(seq²) a layer; 9.6 GiB more for gpt2 at 8 × 1024 on an H200). Default: "
+         "the model's own (sdpa).",
 )]
 Dtype = Annotated[str, typer.Option("--dtype", rich_help_panel=_MODEL, help="fp32, bf16 or fp16 (autocast).")]
 OptimizerName = Annotated[str, typer.Option(
@@ -182,6 +189,10 @@ Fragmentation = Annotated[float | None, typer.Option(
     "book each traced step's requests through a model of PyTorch's caching allocator on the card (within 0.05 % "
     "of the reserved peaks an H200 measured, docs/benchmarks/gpu.md); ×1.10 where no requests are kept (--strategy).")]
 Workspace = Annotated[str, typer.Option("--workspace", help="cuBLAS/cuDNN workspaces assumed.")]
+CudaContext = Annotated[str | None, typer.Option(
+    "--cuda-context", help="The CUDA context's memory per process, e.g. 1.3GiB. Default: the card's catalogue "
+    "value (`autobatch gpus`); it grows as kernels load (an H200 on CUDA 13: 0.60 GiB at start, 0.75 GiB once a "
+    "model trained), and CUDA before 11.7 loads them all at start (1.31 GiB on a V100, CUDA 11.2).")]
 
 DeepSpeedOut = Annotated[str | None, typer.Option(
     "--deepspeed", rich_help_panel=_OUT, help="Write the batch keys into this DeepSpeed JSON (its other keys are kept).",
@@ -277,7 +288,7 @@ def request_from(params: dict[str, Any], **fixed: Any) -> Any:
             kwargs[_NEGATED[name]] = not value
         elif name not in _CLI_ONLY:
             kwargs[_RENAMED.get(name, name)] = value
-    for name in ("memory", "gpu_memory", "workspace"):
+    for name in ("memory", "gpu_memory", "workspace", "cuda_context"):
         if kwargs.get(name) is not None:
             for part in kwargs[name].split(",") if name == "memory" else [kwargs[name]]:  # one per rank
                 size_value(part, FLAGS[name])

@@ -7,8 +7,10 @@
 ``usable_bytes = total_bytes - context_bytes`` is the figure an estimate compares peaks with.
 
 The context sizes are typical values with lazy module loading (CUDA ≥ 11.7, the default in
-torch): 300–600 MiB depending on the card and driver. They are assumptions, not measurements of
-your machine; ``docs/estimate.md`` lists where each figure comes from.
+torch): 300–600 MiB depending on the card and driver, and the H200's as measured there (770 MiB
+once a model has trained: kernels load as they are first used). They are assumptions, not
+measurements of your machine: ``--cuda-context`` (``Request.cuda_context``) sets yours, and
+``docs/estimate.md`` lists where each figure comes from.
 """
 
 from __future__ import annotations
@@ -87,7 +89,9 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("a100-40gb", _gib(39.39), 500 * _MIB, "nvidia", "Ampere 40 GB"),
         GpuSpec("a100-80gb", _gib(79.15), 500 * _MIB, "nvidia", "Ampere 80 GB (the default GPU)"),
         GpuSpec("h100-80gb", _gib(79.19), 550 * _MIB, "nvidia", "Hopper 80 GB (SXM; PCIe is within 0.1 GiB)", ("h100",)),
-        GpuSpec("h200", _gib(139.80), 550 * _MIB, "nvidia", "Hopper 141 GB", ("h200-141gb",)),
+        # measured: 0.60 GiB once CUDA started, 0.74–0.76 GiB once a model trained (torch 2.11, CUDA 13.0;
+        # docs/benchmarks/peaks.md); with it the estimate answers what find answered on the card, four of four
+        GpuSpec("h200", _gib(139.80), 770 * _MIB, "nvidia", "Hopper 141 GB", ("h200-141gb",)),
         GpuSpec("mi250", _gib(64.0), 400 * _MIB, "amd", "per GCD: an MI250 is two devices of 64 GB", ("mi250x",)),
         GpuSpec("mi300x", _gib(192.0), 500 * _MIB, "amd", "CDNA3 192 GB"),
     )

@@ -77,7 +77,7 @@ def _build_for_signature(model: Any) -> torch.nn.Module:
 
 
 def model_signature(model: torch.nn.Module) -> dict[str, Any]:
-    """Module classes, and parameter and buffer names with shapes and dtypes (no values)."""
+    """Module classes, parameter and buffer names with shapes and dtypes (no values), and the attention."""
     return {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "modules": [f"{name}:{type(m).__qualname__}" for name, m in model.named_modules()],
@@ -86,6 +86,8 @@ def model_signature(model: torch.nn.Module) -> dict[str, Any]:
             for name, p in model.named_parameters()
         ],
         "buffers": [[name, list(b.shape), str(b.dtype).removeprefix("torch.")] for name, b in model.named_buffers()],
+        # a transformers model's attention (eager keeps the probabilities, sdpa does not): the same modules
+        "attention": getattr(getattr(model, "config", None), "_attn_implementation", None),
     }
 
 

@@ -121,3 +121,43 @@ def test_a_trace_for_a_gpu_steps_the_optimizer_as_a_gpu_does_with_its_temporary(
     mode = _new_fake_mode()
     kept = trace_trial(work_chosen, fake_model(work_chosen.model, mode), 8, fake_mode=mode, fused_attention=False)
     assert kept.optimizer_bytes == chosen.optimizer_bytes == one_tensor.optimizer_bytes
+
+
+class _Masked(torch.nn.Module):
+    """A boolean mask, ``nonzero`` and ``masked_select``, whose sizes the input's values set: ``keep`` picks
+    which elements (all of them: the largest size, which the trace takes)."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep = keep
+        self.l, self.h = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.l(x))
+        mask = self.keep(y)
+        picked = torch.zeros_like(y).index_put((torch.nonzero(mask, as_tuple=True)), y[mask])
+        chosen = torch.masked_select(y, mask).sum() + y[mask.any(-1)].sum()
+        return self.h(picked) + chosen
+
+
+def _masked(keep) -> autobatch.Workload:
+    return autobatch.Workload(lambda: _Masked(keep), lambda b: (torch.randn(b, 16), torch.randint(0, 4, (b,))))
+
+
+def test_a_mask_that_keeps_everything_is_traced_byte_for_byte_as_its_real_step_runs():
+    # Every element kept: the real step's sizes are the largest, the ones the trace takes.
+    work = _masked(lambda y: y == y)
+    est = autobatch.estimate(work, gpu_memory="256KiB", overheads=autobatch.Overheads.none(), headroom=0)
+    torch.manual_seed(0)
+    real = autobatch.probe(work, autobatch.SimulatedBackend(est.capacity_bytes), headroom=0)
+    assert est.max_batch == real.max_batch > 1
+
+
+def test_a_mask_that_keeps_some_errs_large_as_a_bound_does():
+    work = _masked(lambda y: y > 0)  # ReLU's output: about half kept
+    mode = _new_fake_mode()
+    traced = trace_trial(work, fake_model(work.model, mode), 64, fake_mode=mode, fused_attention=False)
+    torch.manual_seed(0)
+    real = autobatch.run_trial(work, work.model(), autobatch.SimulatedBackend(1 << 40), 64)
+    every = autobatch.run_trial(_masked(lambda y: y == y), _Masked(lambda y: y == y), autobatch.SimulatedBackend(1 << 40), 64)
+    assert real.peak_bytes < traced.peak_bytes == every.peak_bytes

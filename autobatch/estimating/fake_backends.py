@@ -124,6 +124,41 @@ class _ZeroScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _WorstCaseSizes(TorchDispatchMode):
+    """An output whose size its input's values set (``nonzero``, a boolean mask, ``masked_select``)
+    takes its largest: every element selected. A trace has no values; the largest errs large, as a
+    bound should, and its backward (an ``index_put`` at the same indices) has the same sizes.
+    """
+
+    _SELECT = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+               torch.ops.aten.index.Tensor)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+        try:
+            return func(*args, **(kwargs or {}))
+        except DynamicOutputShapeException:
+            if func not in self._SELECT:
+                raise
+        if func is torch.ops.aten.nonzero.default:
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if func is torch.ops.aten.masked_select.default:
+            x, mask = args[0], args[1]
+            return x.new_empty((torch.broadcast_shapes(x.shape, mask.shape).numel(),))
+        # index with boolean masks: each mask as the index tensors of its every element (torch expands a
+        # mask into its nonzero indices, one index tensor per dimension it spans), then indexed as usual
+        x, indices = args[0], []
+        for index in args[1]:
+            if index is not None and index.dtype in (torch.bool, torch.uint8):
+                indices.extend(torch.empty(index.numel(), dtype=torch.long, device=index.device)
+                               for _ in range(index.dim()))
+            else:
+                indices.append(index)
+        return func(x, indices)
+
+
 @contextmanager
 def _quiet_fake_tensor_log() -> Iterator[None]:
     """torch logs an op its fake tensors cannot run (a kernel with no meta function, a dtype it
@@ -168,6 +203,7 @@ class _FakeBackend(SimulatedBackend):
         read (Adafactor's step count, a wrapper's overflow check), a GPU's attention and casts."""
         stack.enter_context(_quiet_fake_tensor_log())
         stack.enter_context(self.fake_mode)
+        stack.enter_context(_WorstCaseSizes())
         stack.enter_context(_ZeroScalars())
         if self.fused_attention:
             stack.enter_context(_FusedAttention(as_on_cpu=not self.cuda_autocast))

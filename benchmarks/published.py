@@ -20,6 +20,7 @@ import re
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks/published_observations.json"
 COMMAND = "python -m benchmarks.published"
 
-__all__ = ["load", "lacks", "caveats", "optimizer_step", "predict", "run", "markdown", "main"]
+__all__ = ["load", "lacks", "caveats", "optimizer_step", "grads_held", "predict", "run", "markdown", "main"]
 
 # Cards the catalogue does not hold, by their total memory (the context is the default 500 MiB).
 OTHER_CARDS = {"titan-rtx-24gb": "24GiB", "titan-x-12gb": "12GiB", "p100-16gb": "16280MiB"}
@@ -93,8 +94,24 @@ def optimizer_step(obs: dict[str, Any]) -> str:
     framework = obs.get("framework") or ""
     if "nanoGPT" in framework:
         return "fused"
-    old = ("PyTorch 1.", "transformers 4.2", "v4.21", "transformers ~2", "transformers master (~4.2")
-    return "one-tensor" if any(mark in framework for mark in old) else "multi-tensor"
+    return "one-tensor" if _before_torch_2(obs) else "multi-tensor"
+
+
+# Sources run on torch 1.x (their framework names its version, or a transformers release of that time).
+_TORCH_1 = ("PyTorch 1.", "transformers 4.2", "v4.21", "transformers ~2", "transformers master (~4.2")
+
+
+def _before_torch_2(obs: dict[str, Any]) -> bool:
+    return any(mark in (obs.get("framework") or "") for mark in _TORCH_1)
+
+
+def grads_held(obs: dict[str, Any]) -> bool:
+    """Whether the run's gradients stayed allocated into the next forward: every accumulation micro-step
+    after the first, and, before torch 2.0, every step of a loop that zeroed them with ``zero_grad()``,
+    whose default then was ``set_to_none=False`` (zeros kept). Unsharded steps only: the wrappers own theirs."""
+    if obs["strategy"] not in ("single", "ddp"):
+        return False
+    return (obs["grad_accum"] or 1) > 1 or _before_torch_2(obs)
 
 
 def _card(gpu: str) -> dict[str, str]:
@@ -127,10 +144,12 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
 
     work = autobatch.Workload(model, lambda b: make(b, seq, image), optimizer=_optimizer(obs), dtype=dtype,
                               grad_checkpointing=bool(obs["grad_checkpointing"]),
-                              grads_held=(obs["grad_accum"] or 1) > 1 and obs["strategy"] in ("single", "ddp"),
+                              grads_held=grads_held(obs),
                               name=obs["id"])
     card = _card(obs["gpu"])
     spec = resolve_gpu(card.get("gpu"), card.get("gpu_memory"))
+    if obs.get("context_bytes_measured"):  # the source measured its CUDA context: that, not the catalogue's
+        spec = replace(spec, context_bytes=obs["context_bytes_measured"])
     seen: list[Any] = []
     world = obs["world_size"] or 1
 
@@ -142,7 +161,7 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
 
     if obs["strategy"] in ("single", "ddp"):
         try:
-            autobatch.estimate(work, card.get("gpu"), gpu_memory=card.get("gpu_memory"), headroom=0,
+            autobatch.estimate(work, spec, headroom=0,
                                min_batch=batch, max_batch=batch, on_trial=seen.append,
                                data_parallel=world if obs["strategy"] == "ddp" else 1)
         except autobatch.NoBatchFitsError:
@@ -152,7 +171,8 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
                                 dtype=dtype or "fp32", grad_checkpointing=bool(obs["grad_checkpointing"]),
                                 strategy=STRATEGIES[obs["strategy"]], gpus_per_node=world, estimate=True,
                                 min_micro=batch, max_micro=batch, headroom=0,
-                                offload="optimizer" if obs["strategy"] == "zero3-offload" else None, **card)
+                                offload="optimizer" if obs["strategy"] == "zero3-offload" else None,
+                                cuda_context=obs.get("context_bytes_measured"), **card)
     try:
         report = autobatch.answer(request)
     except autobatch.NoBatchFitsError:
@@ -219,7 +239,8 @@ def markdown(rows: list[dict[str, Any]], argv: list[str]) -> str:
                      f"median {statistics.median(errors):+.0%}; within 10 %: {sum(abs(e) <= 0.10 for e in errors)}.**")
     lines += [
         "",
-        "Peaks read by nvidia-smi are compared with the estimate's reserved peak plus the card's CUDA context; "
+        "Peaks read by nvidia-smi are compared with the estimate's reserved peak plus the CUDA context (the one "
+        "the source measured where it did, else the card's in the catalogue); "
         "those read by `max_memory_allocated` (or unnamed) with the traced allocated peak. "
         "GiB are 2³⁰ bytes.",
         "",

@@ -57,3 +57,21 @@ def test_each_run_steps_its_optimizer_as_its_source_did():
     assert steps["zero-blog-t5-large-ddp-fp32-bs16"] == "one-tensor"  # PyTorch 1.7.1
     assert steps["nanogpt-gpt2-124m-8xa100-40gb-bs12"] == "fused"
     assert steps["litgpt-llama-3.2-1b-full-a10g-mb4"] == "multi-tensor"
+
+
+def test_gradients_are_held_where_the_run_kept_them():
+    by_id = {o["id"]: o for o in OBSERVATIONS}
+    # torch before 2.0 zeroed gradients in place by default: a Trainer of that time kept them into each forward
+    assert published.grads_held(by_id["hf-perf-bert-large-v100-bs4-fp32"])
+    assert published.grads_held(by_id["timm-resnet50-rtx3090-amp-bs512"])  # PyTorch 1.12
+    assert published.grads_held(by_id["nanogpt-gpt2-124m-8xa100-40gb-bs12"])  # torch 2, but 5 micro-steps a step
+    assert not published.grads_held({**by_id["nanogpt-gpt2-124m-8xa100-40gb-bs12"], "grad_accum": 1})
+    assert not published.grads_held(by_id["litgpt-llama-2-7b-full-4xa100-fsdp-mb4-peak"])  # a wrapper's own
+
+
+def test_a_context_is_taken_from_the_source_only_where_it_measured_one():
+    measured = [o for o in OBSERVATIONS if o.get("context_bytes_measured")]
+    assert len(measured) == 9
+    for obs in measured:  # the HF docs page measured 1343 MB after torch.ones((1, 1)).to("cuda")
+        assert "1343 MB after torch.ones" in obs["notes"] and obs["context_bytes_measured"] == 1343 * 2**20
+

@@ -1,6 +1,7 @@
 """Models by name: built-in configs (random weights, no download), ``hf:NAME_OR_DIR``, or your own.
 
-* built-in names (``autobatch models`` lists them): ``gpt2`` … ``gpt2-xl``, ``llama-1b``, ``bert-base``
+* built-in names (``autobatch models`` lists them): ``gpt2`` … ``gpt2-xl``, ``llama-1b``, ``llama-7b``,
+  ``llama-70b``, ``bert-base``
   and tiny variants for tests and CPU runs;
 * ``hf:NAME_OR_DIR``: a transformers config (a local directory works offline; remote code only
   with ``trust_remote_code=True``);
@@ -95,6 +96,13 @@ BUILTIN_MODELS: dict[str, _Builtin] = {
     "gpt2-large": _Builtin("gpt2", dict(n_embd=1280, n_layer=36, n_head=20), 1024, "GPT-2 large, 774M", 774_030_080),
     "gpt2-xl": _Builtin("gpt2", dict(n_embd=1600, n_layer=48, n_head=25), 1024, "GPT-2 XL, 1.5B", 1_557_611_200),
     "llama-1b": _Builtin("llama", _LLAMA_1B, 2048, "Llama-3.2-1B-style decoder (GQA, RoPE, SwiGLU)", 1_235_814_400),
+    "llama-7b": _Builtin("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                       max_position_embeddings=4096), 4096, "Llama-2-7B-style decoder", 6_738_415_616),
+    "llama-70b": _Builtin("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                        num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                                        max_position_embeddings=4096), 4096, "Llama-2-70B-style decoder (GQA)",
+                          68_976_648_192),
     "bert-base": _Builtin("bert", {}, 512, "BERT base encoder, masked LM", 109_514_298),
     "tiny-gpt2": _Builtin("gpt2", dict(n_embd=32, n_layer=2, n_head=2, vocab_size=256, n_positions=128), 64,
                           "2-layer GPT-2 for tests and CPU runs", 37_760),

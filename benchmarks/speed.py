@@ -9,7 +9,8 @@ for every row):
 * ``six``: ``estimate --model llama-1b --gpu a100-80gb --gpus 8 --strategy ddp,fsdp1,fsdp2,zero1,zero2,zero3
   --dtype bf16`` through ``autobatch.answer``;
 * ``bert-large``: bert-large at 512 tokens on a 16 GiB card, one GPU (the published V100 rows);
-* ``gpt2`` in fp32 and bf16 on an a100-80gb.
+* ``gpt2`` in fp32 and bf16 on an a100-80gb;
+* ``llama-7b`` as rank 0 of 8 and ``llama-70b`` as rank 0 of 64, under ZeRO-3 (each trial a trace).
 
 Writes ``docs/benchmarks/speed.md`` and ``speed.json``.
 """
@@ -39,7 +40,12 @@ CASES = {
     "bert-large": "bert-large, 512 tokens, fp32, a 16 GiB card",
     "gpt2-fp32": "gpt2, 1024 tokens, fp32, a100-80gb",
     "gpt2-bf16": "gpt2, 1024 tokens, bf16, a100-80gb",
+    "llama-7b": "llama-7b, 4096 tokens, bf16, as rank 0 of 8 on an a100-80gb under zero3",
+    "llama-70b": "llama-70b, 4096 tokens, bf16, checkpointed, as rank 0 of 64 on an h100-80gb under zero3",
 }
+# Llama-7B and 70B (issue: every strategy on fake tensors, item 1): any size, as one rank of many.
+_BIG = {"llama-7b": dict(gpu="a100-80gb", gpus_per_node=8),
+        "llama-70b": dict(gpu="h100-80gb", gpus_per_node=8, nodes=8, grad_checkpointing=True)}
 
 
 def run_one(case: str) -> dict[str, Any]:
@@ -52,6 +58,12 @@ def run_one(case: str) -> dict[str, Any]:
         work = load_fake_model("llama-1b").to_workload(dtype="bf16")
         trial = trace_trial(work, work.model, 1, fake_mode=next(work.model.parameters()).fake_mode, primed=False)
         return {"seconds": time.perf_counter() - start, "peak_bytes": trial.peak_bytes}
+    if case in _BIG:
+        report = autobatch.answer(autobatch.Request(model=case, strategy="zero3", dtype="bf16", estimate=True,
+                                                    **_BIG[case]))
+        probe = report.rows[0].probe
+        return {"seconds": time.perf_counter() - start, "max_batch": probe.max_batch, "safe_batch": probe.safe_batch,
+                "trials": [t.batch for t in probe.trials], "read_off_the_curve": []}
     if case == "six":
         report = autobatch.answer(autobatch.Request(model="llama-1b", gpu="a100-80gb", gpus_per_node=8,
                                                     strategy=STRATEGIES, dtype="bf16", estimate=True))
@@ -100,7 +112,8 @@ def markdown(record: dict[str, Any]) -> str:
             answer = f"peak {run['peak_bytes'] / 2**30:.2f} GiB"
         else:
             answer = (f"max {run['max_batch']}, safe {run['safe_batch']}; trials {', '.join(map(str, run['trials']))}"
-                      f" ({', '.join(map(str, run['read_off_the_curve'])) or 'none'} read off the curve)")
+                      + (f" ({', '.join(map(str, run['read_off_the_curve'])) or 'none'} read off the curve)"
+                         if case not in _BIG else " (each traced as the sharded step)"))
         lines.append(f"| {case} | {what} | {run['seconds']:.1f} | {run['seconds'] / unit:.1f} | {answer} |")
     lines += ["", "Goals (issue: estimates that match published GPU measurements, item 6): the six strategies in at",
               "most 12× the bare trace; bert-large in at most 10 s on 2 cores.", ""]

@@ -291,7 +291,7 @@ def test_models_lists_without_building_or_importing_transformers():
             "print(json.dumps([len(json.loads(r.stdout)), 'transformers' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [11, False]
+    assert json.loads(out.stdout) == [13, False]
 
 
 def test_stored_parameter_counts_are_what_the_models_have():

@@ -80,3 +80,6 @@ def test_the_speed_table_is_written_from_its_record_and_the_guides_quote_it():
     assert f"take {runs['six']['seconds']:.0f} s, {ratio:.0f}× a bare" in (ROOT / "docs/sharding.md").read_text()
     assert f"strategies in {runs['six']['seconds']:.0f} s" in (ROOT / "README.md").read_text()
     assert f"takes {runs['bert-large']['seconds']:.1f} s" in (ROOT / "docs/estimate.md").read_text()
+    sharding = " ".join((ROOT / "docs/sharding.md").read_text().split())
+    assert (f"ZeRO-3 takes {runs['llama-7b']['seconds']:.0f} s, llama-70b (checkpointed) as rank 0 of 64 takes "
+            f"{runs['llama-70b']['seconds']:.0f} s") in sharding

@@ -16,6 +16,7 @@ ATTENTION = ("eager", "sdpa")
 
 
 def import_transformers() -> Any:
+    """transformers, quiet, or one line saying which extra installs it."""
     try:
         import transformers
     except ImportError:
@@ -50,6 +51,7 @@ def hf_model(config: Any, family: str, trust_remote_code: bool = False,
 
 
 def max_positions(config: Any) -> int | None:
+    """The longest sequence ``config`` allows, where it says."""
     for key in ("n_positions", "max_position_embeddings"):
         value = getattr(config, key, None)
         if isinstance(value, int):

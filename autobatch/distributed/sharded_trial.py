@@ -30,7 +30,7 @@ from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import enable_checkpointing
 from ..probing.progress import working
-from ..probing.trial import _drain_autograd, PhasePeaks, Trial, batch_on
+from ..probing.trial import PhasePeaks, Trial, batch_on, drain_autograd
 from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
 from .fence import TrialFence
@@ -182,7 +182,7 @@ def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: S
                      f"{batch_size}{' on fake tensors' if traced else ''}"):
             done = _train(workload, template, strategy, backend, batch_size, peaks, deepspeed_config, fence)
         if done[3] is not None:
-            _drain_autograd(backend.device)  # a backward that raised leaves its saved tensors in the engine's queue
+            drain_autograd(backend.device)  # a backward that raised leaves its saved tensors in the engine's queue
         gc.collect()
         if fence is not None and done[3] is not None:
             fence.take_down()  # nothing refers to the trial's groups now: the ranks waiting on this one are freed

@@ -17,7 +17,7 @@ from .progress import working
 from .samples import check_sample_count
 from .workload import Workload, make_optimizer, resolve_dtype, step_loss
 
-__all__ = ["Trial", "PhasePeaks", "run_trial", "forward_backward", "batch_on", "to_device"]
+__all__ = ["Trial", "PhasePeaks", "run_trial", "forward_backward", "batch_on", "to_device", "drain_autograd"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, grads_held: bool = False) 
     optimizer.zero_grad(set_to_none=not grads_held)
 
 
-def _drain_autograd(device: torch.device) -> None:
+def drain_autograd(device: torch.device) -> None:
     """Run an empty backward on ``device``: the engine drops the tasks of a backward that raised.
 
     A backward that ran out of memory leaves its remaining tasks, and the saved tensors they
@@ -164,7 +164,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
             del optimizer
             model.zero_grad(set_to_none=True)
     if error is not None:
-        _drain_autograd(backend.device)
+        drain_autograd(backend.device)
     backend.release()
     fits = error is None
     return Trial(

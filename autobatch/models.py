@@ -4,7 +4,8 @@
   ``llama-70b``, ``bert-base``
   and tiny variants for tests and CPU runs;
 * ``hf:NAME_OR_DIR``: a transformers config (a local directory works offline; remote code only
-  with ``trust_remote_code=True``);
+  with ``trust_remote_code=True``), trained with the head its ``architectures`` names
+  (:data:`~autobatch.hf_models.HEADS`), else as a causal or masked language model;
 * ``path/to/file.py:fn`` or ``package.module:fn``: ``fn()`` returns an ``nn.Module`` (trained as a
   classifier on random inputs of ``input_shape``) or a complete :class:`~autobatch.Workload`. The
   file or module is imported, so its code runs, as ``python file.py`` would run it.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError
-from .hf_models import ATTENTION, hf_model, import_transformers, max_positions
+from .hf_models import ATTENTION, hf_model, image_batches, import_transformers, max_positions, token_batches
 from .probing.samples import takes_seq_len
 from .probing.workload import Workload, default_loss
 
@@ -42,7 +43,7 @@ class ModelSource:
     model: torch.nn.Module
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss
-    task: str = "causal-lm"          # "causal-lm", "masked-lm" or "classification"
+    task: str = "causal-lm"          # "causal-lm", "masked-lm", "classification", or an hf: head's (hf_models.HEADS)
     seq_len: int | None = None
     vocab_size: int | None = None
     input_shape: tuple[int, ...] | None = None
@@ -126,17 +127,6 @@ def _hf_config(spec: _Builtin) -> Any:
     return cls(**spec.config)
 
 
-def _lm_batches(vocab_size: int, seq_len: int, task: str) -> Callable[[int], dict[str, torch.Tensor]]:
-    def make_batch(b: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, vocab_size, (b, seq_len))
-        # Full-length sequences, the worst case a padded batch can reach, so no padding mask: on real
-        # tensors transformers drops a mask of all ones before fused (SDPA) attention, which a trace on
-        # fake tensors cannot see (it kept llama-1b's mask, 0.69 GiB a sample above an H200's peak).
-        return {"input_ids": ids, "labels": ids.clone()}
-
-    return make_batch
-
-
 def _lm_source(name: str, config: Any, family: str, seq_len: int | None, default_seq: int,
                trust_remote_code: bool = False, attention: str | None = None) -> ModelSource:
     seq = default_seq if seq_len is None else seq_len
@@ -145,12 +135,16 @@ def _lm_source(name: str, config: Any, family: str, seq_len: int | None, default
         fix = "; pass a shorter --seq-len" if seq >= 1 else ""
         raise AutobatchError(f"seq_len must be between 1 and the model's {limit} positions, but got seq_len={seq}{fix}")
     model, task = hf_model(config, family, trust_remote_code, attention)
+    if task == "image-classification":
+        if seq_len is not None:
+            raise AutobatchError(_no_sequence(name))
+        return ModelSource(name, model, image_batches(config), task=task)
     vocab = config.vocab_size
 
     def make_batch_at(b: int, seq_len: int) -> dict[str, torch.Tensor]:
-        return _lm_batches(vocab, seq_len, task)(b)
+        return token_batches(config, seq_len, task)(b)
 
-    return ModelSource(name, model, _lm_batches(vocab, seq, task), task=task, seq_len=seq, vocab_size=vocab,
+    return ModelSource(name, model, token_batches(config, seq, task), task=task, seq_len=seq, vocab_size=vocab,
                        make_batch_at=make_batch_at, max_positions=limit)
 
 

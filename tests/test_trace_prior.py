@@ -236,4 +236,6 @@ def test_an_hf_model_with_a_head_autobatch_does_not_build_is_one_line(tmp_path, 
     result = CliRunner().invoke(app, ["find", "--model", _hf_dir(tmp_path, name, config), "--device", "cpu",
                                       "--memory", "64MiB"])
     assert result.exit_code == 2 and "Traceback" not in result.stderr
-    assert f"hf: models train as causal or masked language models here, but '{name}' is neither" in result.stderr
+    said = " ".join(result.stderr.split())
+    assert f"or with the head their config's architectures name (sequence or token classification, image " \
+           f"classification, seq2seq), but '{name}' names none (no architectures)" in said

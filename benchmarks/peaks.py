@@ -26,7 +26,7 @@ import datetime as dt
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,14 +150,12 @@ def run(out: Path, cases: list[PeakCase] = CASES) -> dict[str, Any]:
 
 def traced(case: PeakCase, batches: list[int], capacity: int) -> dict[int, dict[str, Any]]:
     """The trace's figures for ``case`` at ``batches``: tensor bytes and the allocator model's booking."""
-    from autobatch.estimating.estimate import _enable_checkpointing, _new_fake_mode, fake_model, trace_batches
+    from autobatch.estimating.estimate import _new_fake_mode, trace_batches, training_copy
     from autobatch.estimating.replay import book
 
     mode = _new_fake_mode()
-    work = case.workload(fake_model(case.factory(), mode))
-    if case.grad_checkpointing:  # as the estimate does
-        with mode:
-            _enable_checkpointing(work.model)
+    work = case.workload(case.factory())
+    work = replace(work, model=training_copy(work, mode))  # as the estimate copies it
     curve = trace_batches(work, work.model, fake_mode=mode, primed=False)
     figures = {}
     for batch in batches:

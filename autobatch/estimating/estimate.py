@@ -48,7 +48,7 @@ from .overheads import Overheads, beside_the_context, booked_on_gpu, booking_tex
 from .replay import AllocationLog
 from .symbolic import BatchCurve, trace_curve
 
-__all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "load_fake_model"]
+__all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "training_copy", "load_fake_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,9 +164,15 @@ def _rehome(model: torch.nn.Module, fake_mode: Any) -> torch.nn.Module:
     return model
 
 
-def _enable_checkpointing(model: torch.nn.Module) -> None:
-    """:func:`~autobatch.probing.preserve.enable_checkpointing`, on a fake copy of the model."""
-    enable_checkpointing(model)
+def training_copy(workload: Workload, fake_mode: Any) -> torch.nn.Module:
+    """The workload's model on fake tensors of ``fake_mode`` (:func:`fake_model`), with gradient
+    checkpointing on where the workload asks for it, in train mode: what a trace steps."""
+    model = fake_model(workload.model, fake_mode)
+    if workload.grad_checkpointing:
+        with fake_mode:
+            enable_checkpointing(model)
+    model.train()
+    return model
 
 
 def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_mode: Any,
@@ -284,11 +290,7 @@ def estimate(
         if value is not None and (not isinstance(value, int) or value < 1):
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
     fake_mode = _mode_of(workload.model) or _new_fake_mode()
-    model = fake_model(workload.model, fake_mode)
-    if workload.grad_checkpointing:
-        with fake_mode:
-            _enable_checkpointing(model)
-    model.train()
+    model = training_copy(workload, fake_mode)
     if min_batch is None:
         min_batch = min_batch_for(model)
     if max_batch is not None and max_batch < min_batch:

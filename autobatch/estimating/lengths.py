@@ -21,7 +21,7 @@ from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype
 from ..units import format_bytes
-from .estimate import IS_THE_TRACE, Estimate, _enable_checkpointing, fake_model, trace_trial
+from .estimate import IS_THE_TRACE, Estimate, trace_trial, training_copy
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads, on_gpu
@@ -54,11 +54,7 @@ class FakeLengthRunner:
             )
         self.workload = workload
         self.fake_mode = _mode_of(workload.model) or _new_fake_mode()
-        self.model = fake_model(workload.model, self.fake_mode)
-        if workload.grad_checkpointing:
-            with self.fake_mode:
-                _enable_checkpointing(self.model)
-        self.model.train()
+        self.model = training_copy(workload, self.fake_mode)
         self.min_batch = min_batch_for(self.model) if min_batch is None else min_batch
         self.device_name = f"{self.spec.name} (estimated: fake-tensor trace, no GPU used)"
         self.traced: dict[tuple[str, int], list[Trial]] = {}

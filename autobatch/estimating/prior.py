@@ -32,7 +32,7 @@ import torch
 from ..modelinfo import min_batch_for
 from ..probing.trial import Trial
 from ..probing.workload import Workload
-from .estimate import _enable_checkpointing, fake_model, trace_trial
+from .estimate import trace_trial, training_copy
 from .fake_backends import _mode_of, _new_fake_mode
 from .replay import AllocationLog, SizeLaws, check_allocator, fit_log
 
@@ -80,11 +80,7 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
     check_allocator(allocator)  # before the model is copied
     mode = _mode_of(workload.model) or _new_fake_mode()
     with torch.random.fork_rng(devices=[]):  # a factory built in the fake mode may still draw
-        model = fake_model(workload.model, mode)
-        if workload.grad_checkpointing:
-            with mode:
-                _enable_checkpointing(model)
-    model.train()
+        model = training_copy(workload, mode)
     first = min_batch if min_batch is not None else min_batch_for(model)
 
     def trace(batch: int, record: AllocationLog) -> tuple[float, float]:

@@ -90,7 +90,6 @@ _LLAMA_1B = dict(
     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True,
     rope_theta=500000.0,
 )
-_HF = ("gpt2", "llama", "bert")  # the built-in families transformers builds
 BUILTIN_MODELS: dict[str, _Builtin] = {
     "gpt2": _Builtin("gpt2", {}, 1024, "GPT-2 small, 124M", 124_439_808),
     "gpt2-medium": _Builtin("gpt2", dict(n_embd=1024, n_layer=24, n_head=16), 1024, "GPT-2 medium, 355M", 354_823_168),
@@ -116,9 +115,6 @@ BUILTIN_MODELS: dict[str, _Builtin] = {
     "tiny-mlp": _Builtin("mlp", {}, 0, "3-layer MLP classifier on 64 features", 85_002),
     "tiny-cnn": _Builtin("cnn", {}, 0, "conv net with BatchNorm on 3×32×32 images (needs batch ≥ 2)", 5_514),
 }
-
-
-_NONE = _Builtin("", {}, 0, "", 0)
 
 
 def _hf_config(spec: _Builtin) -> Any:
@@ -286,7 +282,9 @@ def load_model(
         raise AutobatchError(_own_batches(spec))
     if attention is not None and attention not in ATTENTION:
         raise AutobatchError(f"attention must be one of {', '.join(ATTENTION)}, but got {attention!r}")
-    if attention is not None and not (spec.startswith("hf:") or BUILTIN_MODELS.get(spec, _NONE).family in _HF):
+    own_code = not spec.startswith("hf:") and (spec not in BUILTIN_MODELS
+                                                or BUILTIN_MODELS[spec].family in ("mlp", "cnn"))
+    if attention is not None and own_code:
         raise AutobatchError(f"attention picks the attention transformers builds a built-in or hf: model with, but "
                              f"{spec} is built by its own code; drop --attention (set it where that model is built)")
     if spec in BUILTIN_MODELS:

@@ -186,7 +186,7 @@ Timeout = Annotated[float, typer.Option(
 )]
 Fragmentation = Annotated[float | None, typer.Option(
     "--fragmentation", help="The allocator's reserved ÷ allocated peak, multiplying the traced peak. Default: "
-    "book each traced step's requests through a model of PyTorch's caching allocator on the card (within 0.05 % "
+    "book each traced step's requests through a model of PyTorch's caching allocator on the card (within 0.1 % "
     "of the reserved peaks an H200 measured, docs/benchmarks/gpu.md); ×1.10 where no requests are kept (--strategy).")]
 Workspace = Annotated[str, typer.Option("--workspace", help="cuBLAS/cuDNN workspaces assumed.")]
 CudaContext = Annotated[str | None, typer.Option(

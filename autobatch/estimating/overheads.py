@@ -11,7 +11,7 @@ place less:
   cache and retries. By default (``fragmentation=None``) a single-GPU estimate books the traced
   step's requests, in order, through a model of that allocator on the card's memory
   (:func:`~autobatch.estimating.replay.book`): on an H200 (``docs/benchmarks/gpu.md``) that
-  booked the reserved peaks the card measured within 0.05 % for gpt2 (fp32, bf16) and bert-base
+  booked the reserved peaks the card measured within 0.1 % for gpt2 (fp32, bf16) and bert-base
   (where the card did not flush its cache), whose ratios to the allocated peaks were 1.11, 1.07
   and 1.26, and answered 74, 93 and 349 where the card fit 74, 93 and 348. A number multiplies the
   traced peak instead (the ratio 1.10, :data:`DEFAULT_FRAGMENTATION`, is what sharded estimates,

@@ -183,6 +183,27 @@ def test_fsdp_and_zero_on_fake_tensors_take_the_same_trials_as_real_steps() -> N
         assert fake.extra["sharding"]["per_rank"] == real.extra["sharding"]["per_rank"]
 
 
+def test_zero2_in_bf16_on_fake_tensors_steps_its_optimizer_as_real_steps_do() -> None:
+    """ZeRO-1/2 read an overflow byte before each step; a trace read it as one and skipped every step,
+    so the estimate held no optimizer state and answered 7 where 5 is the largest that fits."""
+    need("deepspeed")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autobatch.estimating.fake_backends import fake_backend
+
+    with FakeTensorMode():
+        fake_model = sharded_jobs.blocks()
+    budget = 200_000
+    fake = probe_sharded(autobatch.Workload(fake_model, sharded_jobs.batch, dtype="bf16"),
+                         fake_backend(fake_model, budget, fused_attention=False), "zero2", 4)
+    real = probe_sharded(autobatch.Workload(sharded_jobs.blocks, sharded_jobs.batch, dtype="bf16"),
+                         SimulatedBackend(budget), "zero2", 4)
+    assert real.max_batch == fake.max_batch == 5
+    assert [(t.batch, t.fits, t.peak_bytes) for t in fake.trials] == [(t.batch, t.fits, t.peak_bytes) for t in real.trials]
+    assert fake.extra["sharding"]["per_rank"] == real.extra["sharding"]["per_rank"]
+    assert fake.extra["sharding"]["per_rank"]["optimizer_state"] > 0
+
+
 def test_a_sharded_estimate_takes_the_allocator_overheads_off_the_card_as_one_gpus_does() -> None:
     # A traced step books exact tensor bytes; a GPU's allocator reserves ×1.10 of them and the libraries
     # keep 64 MiB of workspaces. The sharded estimate's budget is what is left of the card's usable memory.

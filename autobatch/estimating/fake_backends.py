@@ -91,10 +91,12 @@ class _GpuDropout(TorchFunctionMode):
 class _ZeroScalars(TorchDispatchMode):
     """A fake tensor read as a Python value (``.item()``, ``bool(t)``) reads one, or False.
 
-    Wrappers read their gradients' norm (is it finite?) and their optimizer's step count between
-    steps, Adafactor its step count, weight initialisers their bounds; a trace has no values. One
-    (and False for a flag) takes the path of a normal step without overflow, whose memory is the
-    one that counts, and divides by nothing that is zero. A model whose forward branches on a
+    Wrappers read their gradients' norm (is it finite?), their overflow flag and their optimizer's
+    step count between steps, Adafactor its step count, weight initialisers their bounds; a trace has
+    no values. One (and no for a flag: a bool, or DeepSpeed's overflow byte) takes the path of a
+    normal step without overflow, whose memory is the one that counts, and divides by nothing that
+    is zero. Read as one, ZeRO-1/2's overflow byte skipped every step in bf16 and fp16, so their
+    estimates held no optimizer state. A model whose forward branches on a
     value is traced down the branch that value takes; the trials then correct the prior.
     """
 
@@ -103,7 +105,10 @@ class _ZeroScalars(TorchDispatchMode):
 
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             dtype = args[0].dtype
-            stand_in = False if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+            # A flag (bool, or DeepSpeed's overflow byte) reads "no": a step that overflowed is skipped,
+            # and makes no optimizer state. A count or a scale reads one.
+            stand_in = (False if dtype == torch.bool else 0 if dtype == torch.uint8
+                        else 1.0 if dtype.is_floating_point else 1)
             try:
                 value = func(*args, **(kwargs or {}))  # a tensor made from a Python number knows it
             except DataDependentOutputException:

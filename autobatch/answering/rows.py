@@ -76,7 +76,7 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
     strategy.
 
     Every strategy trains on fake tensors (no memory, seconds at any size): FSDP and ZeRO as their
-    wrappers run, DDP as its gradient buckets (:func:`~autobatch.distributed.ddp.traced_buckets`;
+    wrappers run (ZeRO's offload to a host apart from the GPU), DDP as its gradient buckets (:func:`~autobatch.distributed.ddp.traced_buckets`;
     its reducer reads data a fake tensor has none of). A module passed in is copied onto fake
     tensors, never changed.
     """
@@ -99,10 +99,15 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
     else:
         given = workload_of(request, load)
         workload = replace(given, model=fake_model(given.model, _new_fake_mode()))
-    backend = fake_backend(workload.model, usable, recomputed=workload.grad_checkpointing)
+    backends: dict[bool, Any] = {}
 
     def setup(chosen: Strategy) -> tuple[Any, Any]:
-        return workload, backend
+        # Offload: the GPU's tensors apart from the host's, where the engine moves the optimizer (and parameters)
+        apart = chosen.offload is not None
+        if apart not in backends:
+            backends[apart] = fake_backend(workload.model, usable, recomputed=workload.grad_checkpointing,
+                                           host_apart=apart)
+        return workload, backends[apart]
 
     # The trials already run on fake tensors: a traced prior saves nothing.
     return strategy_rows(request, setup, use_trace_prior=False)

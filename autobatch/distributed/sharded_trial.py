@@ -130,12 +130,15 @@ def off_the_gpu(template: torch.nn.Module) -> Iterator[None]:
                 tensor.grad.data = tensor.grad.data.to(device)
 
 
-def _copy_model(template: torch.nn.Module, grad_checkpointing: bool) -> torch.nn.Module:
+def _copy_model(template: torch.nn.Module, grad_checkpointing: bool, device: torch.device | None = None
+                ) -> torch.nn.Module:
+    """A private copy of ``template`` to wrap; fake weights are made afresh, on ``device`` where given
+    (a trace whose host is apart: see :func:`~autobatch.estimating.fake_backends.fake_backend`)."""
     memo: dict[int, Any] = {}
     for t in [*template.parameters(), *template.buffers()]:
         if is_fake(t):  # fake weights hold no data: a fresh fake tensor of each costs nothing
             with t.fake_mode:
-                fresh = torch.empty_like(t)
+                fresh = torch.empty_like(t, device=device)
             memo[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(
                 t, torch.nn.Parameter) else fresh
     model = copy.deepcopy(template, memo)
@@ -226,7 +229,7 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
            batch_size: int, peaks: PhasePeaks, deepspeed_config: dict[str, Any] | None, fence: TrialFence | None,
            ) -> tuple[dict[str, int], list[float], int | None, str | None, dict[str, Any], int]:
     """Wrap a copy of ``template`` and train it; the measured figures, step times, what stayed, the error if out of memory."""
-    model = _copy_model(template, workload.grad_checkpointing)
+    model = _copy_model(template, workload.grad_checkpointing, backend.device)
     wrapped: Wrapped | None = None
     error = None
     config: dict[str, Any] = {}
@@ -241,7 +244,7 @@ def _train(workload: Workload, template: torch.nn.Module, strategy: Strategy, ba
         config = wrapped.config
         del model
         params = list(wrapped.module.parameters())
-        figures["parameters"] = local_bytes(params)
+        figures["parameters"] = local_bytes(params, backend.device)
         with backend.track_deferred(params + list(wrapped.module.buffers())):
             del params
             wrapped_bytes = backend.allocated_bytes() - before

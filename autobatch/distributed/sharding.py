@@ -74,13 +74,19 @@ def with_unit(strategy: Strategy, model: torch.nn.Module) -> Strategy:
     return replace(strategy, unit=type(units[0]).__name__) if units else strategy
 
 
-def local_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind the local parts of ``tensors`` (views count once)."""
+def local_bytes(tensors: Any, device: torch.device | None = None) -> int:
+    """Bytes of the distinct storages behind the local parts of ``tensors`` (views count once); given a
+    device with an index (a GPU, or a trace's ``cpu:0`` whose host is apart), only those on it: a
+    partition offloaded to the host is not the device's."""
     seen: dict[int, int] = {}
+    apart = device is not None and device.index is not None
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
             continue
-        storage = local_tensor(tensor).untyped_storage()
+        local = local_tensor(tensor)
+        if apart and local.device != device:
+            continue
+        storage = local.untyped_storage()
         fake = storage.device.type == "meta"  # a fake tensor's storage: no data, no address
         seen[id(storage) if fake else storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())

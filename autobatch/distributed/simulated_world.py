@@ -82,11 +82,14 @@ def probe_sharded(
         >>> result = probe_sharded(work, autobatch.SimulatedBackend("300KiB"), "fsdp2", 4)  # doctest: +SKIP
     """
     strategy = parse_strategy(strategy)
-    if strategy.offload is not None and backend.device.type == "cpu":
+    if strategy.offload is not None and backend.device.type == "cpu" and backend.device.index is None:
+        # A trace whose host is apart (cpu:0, estimate's backend for offload) tells the two apart; real CPU steps cannot.
         raise AutobatchError(
             f"offload={strategy.offload!r} moves state to host memory, which on the CPU is the simulated device "
-            "itself, so it cannot be probed here; probe it on a GPU, or probe without --offload and write it into the "
-            f"configs with `autobatch solve --strategy {strategy.name} --offload {strategy.offload} --deepspeed ds.json`")
+            "itself, so it cannot be probed here; probe it on a GPU, estimate it on fake tensors "
+            f"(`autobatch estimate --strategy {strategy.name} --offload {strategy.offload}`), or probe without --offload "
+            f"and write it into the configs with `autobatch solve --strategy {strategy.name} --offload {strategy.offload} "
+            "--deepspeed ds.json`")
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")

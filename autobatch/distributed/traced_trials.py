@@ -72,12 +72,12 @@ class OneWrapper:
 
     def _wrap(self, batch_size: int) -> None:
         backend = self.backend
-        self.wrapped, self.before = wrap_copy(_copy_model(self.template, self.workload.grad_checkpointing),
+        self.wrapped, self.before = wrap_copy(_copy_model(self.template, self.workload.grad_checkpointing, backend.device),
                                               self.workload, self.strategy, backend, batch_size, self.deepspeed_config)
         params = list(self.wrapped.module.parameters())
         with backend.track_deferred(params + list(self.wrapped.module.buffers())):
             self.after_wrap = backend.allocated_bytes()
-        parameters = local_bytes(params)
+        parameters = local_bytes(params, backend.device)
         self.held = {"parameters": parameters, "buffers": max(0, self.after_wrap - self.before - parameters)}
 
     def close(self) -> None:

@@ -216,6 +216,20 @@ class _Globals:
         self.groups_before = set(live_groups())  # the groups DeepSpeed makes are destroyed with the trial
         self.local_rank = os.environ.get("LOCAL_RANK")
         self.linear = torch.nn.functional.linear  # ZeRO-3 replaces it while its engine trains
+        self.accelerator: list[tuple[Any, str]] = []  # the CPU accelerator's methods as they were, where replaced
+
+    def gpu_apart(self, device: torch.device) -> None:
+        """On a trace whose host is apart (``cpu:0``, see :func:`~autobatch.estimating.fake_backends.fake_backend`),
+        DeepSpeed's CPU accelerator names ``cpu:0`` as its device until :meth:`destroy`: what the engine
+        keeps on its device goes there, what it offloads to ``cpu``, the host, as from a GPU."""
+        if device.type != "cpu" or device.index is None:
+            return
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator, name = get_accelerator(), str(device)
+        for method, stand_in in (("device_name", lambda device_index=None: name), ("current_device_name", lambda: name)):
+            self.accelerator.append((accelerator, method))
+            setattr(accelerator, method, stand_in)
 
     def set_local_rank(self, device: torch.device) -> None:
         """DeepSpeed takes ``LOCAL_RANK`` for its device (``set_device(LOCAL_RANK)``): the GPU probed,
@@ -242,6 +256,9 @@ class _Globals:
 
     def destroy(self) -> None:
         torch.nn.functional.linear = self.linear
+        for accelerator, method in self.accelerator:
+            vars(accelerator).pop(method, None)  # the class's own method again
+        self.accelerator.clear()
         if self.local_rank is None:
             os.environ.pop("LOCAL_RANK", None)
         else:
@@ -318,6 +335,7 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
                          user_config=user_config)
     saved_globals = _Globals()
     saved_globals.set_local_rank(device)
+    saved_globals.gpu_apart(device)
     if dist.get_backend() == "fake":
         saved_globals.skip_rank_checks()
     mpu = None if group is None else _DataParallelOnly(group)

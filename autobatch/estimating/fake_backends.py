@@ -23,7 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..probing.backends import DeviceInfo, SimulatedBackend
 from .cuda_autocast import cuda_policy
 
-__all__ = ["fake_backend"]
+__all__ = ["fake_backend", "GPU_APART"]
+
+#: The device a trace's GPU tensors take where the host's are apart (``fake_backend(host_apart=True)``).
+GPU_APART = torch.device("cpu", 0)
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -85,6 +88,26 @@ class _GpuDropout(TorchFunctionMode):
             p, training = given.get("p", 0.5), given.get("training", True)
             if training and 0 < p < 1 and not given.get("inplace", False):
                 return torch.ops.aten.native_dropout(given["input"], p, True)[0]
+        return func(*args, **kwargs)
+
+
+class _DataOnTheGpuApart(TorchFunctionMode):
+    """``torch.tensor(data, device="cpu:0")`` on :data:`GPU_APART`: made from data, a tensor is real
+    before it is fake, and a real CPU tensor drops its device's index (a cache's empty ``torch.tensor([],
+    device=keys.device)`` would land on the host and meet the keys on ``cpu:0``). A scalar stays on the
+    host, where it meets tensors of any device and keeps its value."""
+
+    _FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._FROM_DATA and kwargs.get("device") is not None and torch.device(kwargs["device"]) == GPU_APART:
+            made = func(*args, **{**kwargs, "device": "cpu"})
+            if made.dim() == 0:  # a scalar meets tensors of any device, and keeps the value a trace may read
+                return made
+            # A copy into a fresh tensor: a tiny one is a constant, which `to` would copy back to the host
+            moved = torch.empty(made.shape, dtype=made.dtype, device=GPU_APART).copy_(made)
+            return moved.requires_grad_(made.requires_grad)
         return func(*args, **kwargs)
 
 
@@ -185,11 +208,13 @@ class _FakeBackend(SimulatedBackend):
     """
 
     def __init__(self, fake_mode: Any, fused_attention: bool, capacity: int = 1 << 62, log: Any = None,
-                 cuda_autocast: bool = True, recomputed: bool = False):
+                 cuda_autocast: bool = True, recomputed: bool = False, host_apart: bool = False):
         # By default no budget: the search's capacity is the GPU's, not this one's. A sharded
         # trial (track_deferred) compares its peak with ``capacity`` at the step's end instead.
         super().__init__(capacity)
         self.fake_mode = fake_mode
+        if host_apart:  # the GPU's tensors on cpu:0 (counted), the host's on cpu (not): see fake_backend
+            self.device = self._tracker.device = GPU_APART
         # Gradient checkpointing recomputes the forward in backward, where these modes are not
         # entered: the fused attention and the GPU's dropout would save other tensors than the
         # recompute makes (torch refuses). Both keep the CPU's kernels then, which errs small.
@@ -210,6 +235,8 @@ class _FakeBackend(SimulatedBackend):
         stack.enter_context(self.fake_mode)
         stack.enter_context(_WorstCaseSizes())
         stack.enter_context(_ZeroScalars())
+        if self.device == GPU_APART:
+            stack.enter_context(_DataOnTheGpuApart())
         if self.fused_attention:
             stack.enter_context(_FusedAttention(as_on_cpu=not self.cuda_autocast))
         if self.cuda_autocast:
@@ -234,8 +261,9 @@ class _FakeBackend(SimulatedBackend):
             yield
 
 
-def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool = True,
-                 log: Any = None, cuda_autocast: bool = True, recomputed: bool = False) -> SimulatedBackend | None:
+def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool = True, log: Any = None,
+                 cuda_autocast: bool = True, recomputed: bool = False, host_apart: bool = False,
+                 ) -> SimulatedBackend | None:
     """A backend whose trials run ``model``'s step on fake tensors against ``capacity``; ``None``
     when ``model`` is not built on fake tensors (see :func:`load_fake_model`).
 
@@ -243,10 +271,15 @@ def fake_backend(model: torch.nn.Module, capacity: int, *, fused_attention: bool
     any batch; they decide fit at the step's end from the traced peak. A ``log``
     (:class:`~autobatch.estimating.replay.AllocationLog`) records every request and free.
     ``recomputed``: the step recomputes its forward in backward (gradient checkpointing).
+
+    ``host_apart``: the trials run on :data:`GPU_APART` (``cpu:0``), a device of their own, and only
+    its tensors count; what a wrapper offloads goes to ``cpu``, the host, as it would from a GPU
+    (DeepSpeed's ``offload_optimizer`` and ``offload_param``: :mod:`autobatch.distributed.zero`).
+    A fake tensor keeps its device's index, so the two never mix, as a GPU's and the host's do not.
     """
     mode = _mode_of(model)
     return None if mode is None else _FakeBackend(mode, fused_attention, capacity, log=log, cuda_autocast=cuda_autocast,
-                                                  recomputed=recomputed)
+                                                  recomputed=recomputed, host_apart=host_apart)
 
 
 def _new_fake_mode() -> Any:

@@ -43,6 +43,8 @@ class MemoryTracker(TorchDispatchMode):
             with the CUDA allocator's wording, so code that handles real OOMs handles this one.
         allocator: a caching-allocator model to book every storage in (it raises the OOM then);
             ``current_bytes``/``peak_bytes`` stay exact tensor bytes either way.
+        device: count only tensors on this device (default: every tensor); a trace of an offloading
+            wrapper keeps the GPU's tensors on ``cpu:0`` and the host's on ``cpu``.
 
     Example:
         >>> tracker = MemoryTracker()
@@ -52,10 +54,12 @@ class MemoryTracker(TorchDispatchMode):
         4096
     """
 
-    def __init__(self, budget: int | None = None, allocator: Any = None):
+    def __init__(self, budget: int | None = None, allocator: Any = None, device: torch.device | None = None):
         super().__init__()
         self.budget = budget
         self.allocator = allocator
+        # Where given, only tensors on this device count: a copy on another (a host's, offloaded) costs it nothing.
+        self.device = device
         self.current_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (token, nbytes)
@@ -112,6 +116,8 @@ class MemoryTracker(TorchDispatchMode):
                     self._register(inner, check_budget=check_budget)
             return
         if tensor.device.type == "meta":  # shapes only (ZeRO-1/2 keep a meta copy of every parameter): no memory
+            return
+        if self.device is not None and tensor.device != self.device:
             return
         try:
             storage = tensor.untyped_storage()

@@ -1,0 +1,134 @@
+"""ZeRO offload estimated on fake tensors: the GPU's tensors on cpu:0, the host's on cpu, counted apart.
+
+DeepSpeed's own engine runs the steps; what it keeps on its device counts, what it offloads does
+not. Each term is checked against a hand count of the model, and the state's place against the
+engine's own tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autobatch.distributed.fake_group import fake_process_group
+from autobatch.distributed.traced_trials import OneWrapper
+from autobatch.errors import AutobatchError
+from autobatch.estimating.fake_backends import GPU_APART, fake_backend
+from autobatch.probing.workload import Workload
+from autobatch.strategy import Strategy
+from tests.extras import need
+
+H, W = 128, 4
+
+
+def pairs() -> torch.nn.Module:
+    # hidden (the widest Linear input) 2H: DeepSpeed's reduce bucket 4H² elements; the largest parameter 2H²
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(H, 2 * H, bias=False), torch.nn.ReLU(),
+                                                     torch.nn.Linear(2 * H, H, bias=False)) for _ in range(2)])
+
+
+P, LARGEST = 8 * H * H, 2 * H * H  # parameters, and the largest one's elements
+
+
+@pytest.fixture(scope="module")
+def work():
+    need("deepspeed")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = pairs()
+    return Workload(model, lambda b: torch.randn(b, 8, H), dtype="bf16")
+
+
+def trial(work, strategy: Strategy, batch: int = 4):
+    """Rank 0 of W's trial (two steps), its terms, and where the engine keeps its optimizer's state and
+    its fp32 master partitions."""
+    backend = fake_backend(work.model, 1 << 40, host_apart=strategy.offload is not None)
+    with fake_process_group(W):
+        one = OneWrapper(work, work.model, strategy, backend)
+        try:
+            done = one(batch)
+            engine_optimizer = one.wrapped.optimizer
+            inner = engine_optimizer.optimizer  # the torch optimizer DeepSpeed steps
+            state = [t.device for s in inner.state.values() for t in s.values() if t.dim() > 0]
+            flat = (getattr(engine_optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+                    or engine_optimizer.fp32_partitioned_groups_flat)  # ZeRO-3
+            masters = [t.device for t in flat]
+        finally:
+            one.close()
+    from deepspeed.accelerator import get_accelerator
+
+    assert get_accelerator().current_device_name() == "cpu"  # its own device again once the wrapper closed
+    return done, set(state), set(masters)
+
+
+def test_zero2_offload_keeps_no_master_weights_or_state_on_the_gpu(work):
+    kept, kept_state, kept_masters = trial(work, Strategy("zero2"))
+    moved, moved_state, moved_masters = trial(work, Strategy("zero2", offload="optimizer"))
+    # without offload: bf16 weights, the fp32 master partition and AdamW's two moments on the GPU
+    assert kept.breakdown.parameters == 2 * P
+    assert kept.breakdown.buffers == 4 * P // W
+    assert 0 <= kept.breakdown.optimizer_state - 8 * P // W < 64  # and the step counts
+    assert kept_state == kept_masters == {torch.device("cpu")}  # one device: the trace's host is not apart
+    # offloaded: the masters and the moments on the host; the GPU keeps its bf16 weights and DeepSpeed's
+    # gradient buffer for the copy to the host, the largest parameter's size in bf16
+    assert moved.breakdown.parameters == 2 * P
+    assert moved.breakdown.buffers == 2 * LARGEST
+    assert moved.breakdown.optimizer_state == 0
+    assert moved_state == moved_masters == {torch.device("cpu")}
+    assert moved.trial.peak_bytes < kept.trial.peak_bytes - 4 * P // W
+
+
+def test_zero3_offload_of_parameters_keeps_only_what_a_step_gathers(work):
+    optimizer, _, _ = trial(work, Strategy("zero3", offload="optimizer"))
+    params, state, masters = trial(work, Strategy("zero3", offload="params"))
+    # the bf16 partition stays on the GPU with the optimizer offloaded; with the parameters, it goes too
+    assert optimizer.breakdown.parameters == 2 * P // W
+    assert params.breakdown.parameters == 0
+    assert optimizer.breakdown.optimizer_state == params.breakdown.optimizer_state == 0
+    assert state == masters == {torch.device("cpu")}
+    assert params.trial.peak_bytes < optimizer.trial.peak_bytes
+
+
+def test_a_tensor_made_from_data_lands_on_the_gpu_apart_and_a_scalar_keeps_its_value():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = torch.nn.Linear(4, 4)
+    backend = fake_backend(model, 1 << 30, host_apart=True)
+    assert backend.device == GPU_APART
+    with backend.track():
+        keys = torch.empty(2, 3, device=GPU_APART)
+        cache = torch.tensor([], device=keys.device)  # as transformers' cache starts
+        assert torch.cat([cache, keys.flatten()]).device == GPU_APART
+        assert int(torch.tensor(7, device=GPU_APART)) == 7
+        host = torch.empty(1000)  # the host's: not counted
+    assert backend.peak().allocated == 2 * 3 * 4 + 6 * 4
+
+
+def test_real_cpu_steps_still_refuse_offload_and_name_the_estimate():
+    from autobatch import SimulatedBackend
+    from autobatch.distributed.simulated_world import probe_sharded
+
+    with pytest.raises(AutobatchError, match="autobatch estimate --strategy zero3 --offload optimizer"):
+        probe_sharded(Workload(pairs, lambda b: torch.randn(b, H)), SimulatedBackend("1GiB"),
+                      Strategy("zero3", offload="optimizer"), 4)
+
+
+def test_estimate_offload_from_the_command_line_answers_with_the_state_on_the_host():
+    import json
+
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    need("deepspeed")
+    res = CliRunner().invoke(app, ["estimate", "--model", "tiny-mlp", "--gpu-memory", "600MiB", "--gpus", "4",
+                                   "--strategy", "zero2", "--offload", "optimizer", "--max-batch", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    sharding = out["probe"]["sharding"]
+    assert out["estimated"] is True and out["probe"]["device"]["kind"] == "fake"
+    assert sharding["strategy"]["offload"] == "optimizer"
+    assert sharding["deepspeed_zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert sharding["per_rank"]["optimizer_state"] == 0 < sharding["per_rank"]["parameters"]

@@ -50,9 +50,8 @@ def lacks(obs: dict[str, Any]) -> list[str]:
         missing.append("the card is not named")
     if obs["strategy"] == "zero3-offload" and obs["world_size"] is None:
         missing.append("the world size is not stated")
-    if obs["strategy"] in ("zero2", "zero3-offload") and "offload" in (obs["id"] + (obs.get("notes") or "")).lower():
-        missing.append("ZeRO's CPU offload of the optimizer (an --offload estimate runs DeepSpeed, which refuses "
-                       "fp16 on a CPU)")
+    if obs.get("offload") and obs["strategy"] == "fsdp":
+        missing.append("FSDP's CPU offload of the parameters (--offload is ZeRO's)")
     return missing
 
 
@@ -171,7 +170,7 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
                                 dtype=dtype or "fp32", grad_checkpointing=bool(obs["grad_checkpointing"]),
                                 strategy=STRATEGIES[obs["strategy"]], gpus_per_node=world, estimate=True,
                                 min_micro=batch, max_micro=batch, headroom=0,
-                                offload="optimizer" if obs["strategy"] == "zero3-offload" else None,
+                                offload=obs.get("offload"),
                                 cuda_context=obs.get("context_bytes_measured"), **card)
     try:
         report = autobatch.answer(request)

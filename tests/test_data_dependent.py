@@ -161,3 +161,37 @@ def test_a_mask_that_keeps_some_errs_large_as_a_bound_does():
     real = autobatch.run_trial(work, work.model(), autobatch.SimulatedBackend(1 << 40), 64)
     every = autobatch.run_trial(_masked(lambda y: y == y), _Masked(lambda y: y == y), autobatch.SimulatedBackend(1 << 40), 64)
     assert real.peak_bytes < traced.peak_bytes == every.peak_bytes
+
+
+class _Deduplicated(torch.nn.Module):
+    """Embeds each distinct id once and gathers them back (``unique`` with its inverse, as sparse
+    embedding lookups do): the size of the embedded rows is set by how many ids are distinct."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.h = torch.nn.Embedding(4096, 64), torch.nn.Linear(64, 4)
+
+    def forward(self, ids):
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        counts = torch.unique_consecutive(distinct, return_counts=True)[1]
+        return self.h(self.emb(distinct)[inverse].mean(1)) + counts.sum() * 0
+
+
+def _deduplicated(ids) -> autobatch.Workload:
+    # SGD: its step is the same on a GPU and this CPU (AdamW takes the multi-tensor path on a GPU)
+    return autobatch.Workload(_Deduplicated, lambda b: (ids(b), torch.randint(0, 4, (b,))), optimizer="sgd")
+
+
+def test_unique_takes_every_value_distinct_byte_for_byte_and_errs_large_with_repeats():
+    def traced_and_real(work):
+        mode = _new_fake_mode()
+        traced = trace_trial(work, fake_model(work.model, mode), 16, fake_mode=mode, fused_attention=False)
+        torch.manual_seed(0)
+        return traced, autobatch.run_trial(work, work.model(), autobatch.SimulatedBackend(1 << 40), 16)
+
+    distinct = _deduplicated(lambda b: torch.randperm(4096)[: b * 32].reshape(b, 32))  # every id once
+    traced, real = traced_and_real(distinct)
+    assert traced.fits and traced.peak_bytes == real.peak_bytes
+    repeated = _deduplicated(lambda b: torch.randint(0, 8, (b, 32)))  # eight distinct ids
+    traced, real = traced_and_real(repeated)
+    assert real.peak_bytes < traced.peak_bytes

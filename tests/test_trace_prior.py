@@ -68,16 +68,17 @@ def test_the_trace_leaves_the_model_the_rng_and_the_default_dtype_as_they_were()
 
 
 class _DataDependent(torch.nn.Module):
-    """A tensor whose size its input's values set and no bound is taken for: fake tensors have no
-    values, so the trace cannot follow it (a value read as a number, ``.item()``, reads a stand-in;
-    ``nonzero`` and boolean masks take their largest size: tests/test_data_dependent.py)."""
+    """A tensor whose size its input's values set, with no bound in its input's shape (``bincount``:
+    the largest value plus one): fake tensors have no values, so the trace cannot follow it (a value
+    read as a number, ``.item()``, reads a stand-in; ``nonzero``, boolean masks and ``unique`` take
+    their largest size: tests/test_data_dependent.py)."""
 
     def __init__(self):
         super().__init__()
         self.net = torch.nn.Linear(64, 10)
 
     def forward(self, x):
-        return self.net(x) * (1 + 0 * torch.unique(x).shape[0])
+        return self.net(x) * (1 + 0 * torch.bincount((x > 0).long().flatten()).shape[0])
 
 
 def test_a_model_the_trace_cannot_follow_is_searched_from_its_trials_alone(caplog):

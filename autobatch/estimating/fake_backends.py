@@ -153,13 +153,16 @@ class _ZeroScalars(TorchDispatchMode):
 
 
 class _WorstCaseSizes(TorchDispatchMode):
-    """An output whose size its input's values set (``nonzero``, a boolean mask, ``masked_select``)
-    takes its largest: every element selected. A trace has no values; the largest errs large, as a
-    bound should, and its backward (an ``index_put`` at the same indices) has the same sizes.
+    """An output whose size its input's values set (``nonzero``, a boolean mask, ``masked_select``,
+    ``unique``) takes its largest: every element selected, every value distinct. A trace has no
+    values; the largest errs large, as a bound should, and its backward (an ``index_put`` at the
+    same indices) has the same sizes.
     """
 
+    _UNIQUE = (torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
+               torch.ops.aten.unique_consecutive.default)
     _SELECT = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
-               torch.ops.aten.index.Tensor)
+               torch.ops.aten.index.Tensor, *_UNIQUE)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import DynamicOutputShapeException
@@ -175,6 +178,8 @@ class _WorstCaseSizes(TorchDispatchMode):
         if func is torch.ops.aten.masked_select.default:
             x, mask = args[0], args[1]
             return x.new_empty((torch.broadcast_shapes(x.shape, mask.shape).numel(),))
+        if func in self._UNIQUE:
+            return self._unique(func, args, kwargs or {})
         # index with boolean masks: each mask as the index tensors of its every element (torch expands a
         # mask into its nonzero indices, one index tensor per dimension it spans), then indexed as usual
         x, indices = args[0], []
@@ -185,6 +190,24 @@ class _WorstCaseSizes(TorchDispatchMode):
             else:
                 indices.append(index)
         return func(x, indices)
+
+
+    @staticmethod
+    def _unique(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``unique``'s values, inverse and counts with every value distinct; the inverse and counts
+        empty where not asked for, as ATen returns them (along a dimension, always both)."""
+        names = {torch.ops.aten._unique2.default: ("sorted", "return_inverse", "return_counts"),
+                 torch.ops.aten.unique_dim.default: ("dim", "sorted", "return_inverse", "return_counts"),
+                 torch.ops.aten.unique_consecutive.default: ("return_inverse", "return_counts", "dim")}[func]
+        given = {**dict(zip(names, args[1:])), **kwargs}
+        x, dim = args[0], given.get("dim")
+        long = dict(dtype=torch.long, device=x.device)
+        if dim is None:
+            n = x.numel()
+            inverse = torch.empty(x.shape if given.get("return_inverse") else (0,), **long)
+            return x.new_empty((n,)), inverse, torch.empty((n if given.get("return_counts") else 0,), **long)
+        n = x.shape[dim]
+        return x.new_empty(x.shape), torch.empty((n,), **long), torch.empty((n,), **long)
 
 
 @contextmanager

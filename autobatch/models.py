@@ -28,7 +28,7 @@ import torch
 from .errors import AutobatchError
 from .hf_models import ATTENTION, hf_model, image_batches, import_transformers, max_positions, token_batches
 from .probing.samples import takes_seq_len
-from .probing.workload import Workload, default_loss
+from .probing.workload import Workload, default_loss, weights_in
 
 __all__ = ["ModelSource", "BUILTIN_MODELS", "MAX_SAMPLE_ELEMENTS", "load_model", "load_layers", "list_models", "count_parameters"]
 
@@ -261,6 +261,7 @@ def load_model(
     num_classes: int = 10,
     trust_remote_code: bool = False,
     attention: str | None = None,
+    weights: torch.dtype | None = None,
 ) -> ModelSource:
     """Build the model named by ``spec`` with random weights, and its batches.
 
@@ -272,12 +273,20 @@ def load_model(
         trust_remote_code: allow transformers to run code shipped with an ``hf:`` model.
         attention: the attention implementation a built-in transformer or ``hf:`` model is built
             with, ``"sdpa"`` (fused) or ``"eager"`` (keeps the probabilities); default the model's own.
+        weights: the dtype the weights are built in (``torch.bfloat16`` for pure bf16 training,
+            ``--dtype bf16-true``); default torch's default dtype.
 
     Example:
         >>> source = load_model("tiny-gpt2", seq_len=16)
         >>> source.make_batch(2)["input_ids"].shape
         torch.Size([2, 16])
     """
+    with weights_in(weights):
+        return _built(spec, seq_len, input_shape, num_classes, trust_remote_code, attention)
+
+
+def _built(spec: str, seq_len: int | None, input_shape: str | tuple[int, ...] | None, num_classes: int,
+           trust_remote_code: bool, attention: str | None) -> ModelSource:
     if input_shape is not None and (spec in BUILTIN_MODELS or spec.startswith("hf:")):
         raise AutobatchError(_own_batches(spec))
     if attention is not None and attention not in ATTENTION:

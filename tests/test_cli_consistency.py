@@ -216,7 +216,7 @@ def test_every_help_ends_with_examples_and_shows_no_bool_type(name):
      "--max-micro (4) must be at least --min-micro (8); raise --max-micro or lower --min-micro"),
     # a library error opens with the flag the user typed, not the Python name
     (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--dtype", "fp8"],
-     "--dtype must be one of fp32, bf16, fp16, but got 'fp8'"),
+     "--dtype must be one of fp32, bf16, fp16, bf16-true, fp16-true, but got 'fp8'"),
     (["find", "--model", "tiny-mlp", "--device", "gpu"], "--device must be 'cuda', 'cuda:N' or 'cpu', but got 'gpu'"),
     (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--gpu", "t4"],
      "--gpu names a GPU to estimate for, but find probes --device cpu with real steps"),

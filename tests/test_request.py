@@ -43,7 +43,7 @@ def test_every_problem_is_found_on_construction_in_python_names():
     message = str(caught.value)
     for said in ("target must be a positive integer, but got 0",
                  "max_micro (2) must be at least min_micro (4)",
-                 "headroom must be a fraction", "dtype must be one of fp32, bf16, fp16, but got 'fp8'",
+                 "headroom must be a fraction", "dtype must be one of fp32, bf16, fp16, bf16-true, fp16-true, but got 'fp8'",
                  "gpu names a GPU to estimate for, but find probes device cpu",
                  "offload describes a sharded strategy, but no strategy was given; add strategy zero3",
                  "--deepspeed must end in .json"):

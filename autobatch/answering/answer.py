@@ -127,7 +127,7 @@ def _estimate(request: Request, note: Note) -> Report:
                   else "the default; pick your card with --gpu, see `autobatch gpus`")
         note(f"no CUDA GPU here, so these are estimates for {spec.name} ({chosen}) from a fake-tensor trace; "
              "run find on the GPU machine for exact figures")
-    if request.precision == "bf16" and "no bf16" in spec.notes:
+    if (request.precision or "").startswith("bf16") and "no bf16" in spec.notes:
         note(f"{spec.name} has no bf16 ({spec.notes}): the estimate is of bf16 as asked, but on this card train "
              "with fp16 or fp32 (--dtype fp16)")
     gpus = request.gpus_here()

@@ -166,9 +166,10 @@ class Request:
 
     @property
     def precision(self) -> str | None:
-        """The autocast the batch is probed with: ``"bf16"``, ``"fp16"``, or ``None`` for full fp32."""
+        """The precision the batch is probed with: autocast ``"bf16"``/``"fp16"``, pure weights
+        ``"bf16-true"``/``"fp16-true"``, or ``None`` for full fp32."""
         dtype = str(self.dtype).lower().replace("torch.", "")
-        return {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(dtype)
+        return {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype if dtype in ("bf16", "fp16", "bf16-true", "fp16-true") else None)
 
     @property
     def table(self) -> bool:
@@ -207,8 +208,10 @@ class Request:
 
     def load_options(self, seq_len: int | None) -> dict[str, Any]:
         """The keyword arguments of :func:`autobatch.load_model` for a model named by a string."""
+        from ..probing.workload import weights_dtype
+
         return dict(seq_len=seq_len, input_shape=self.input_shape, num_classes=self.num_classes,
-                    trust_remote_code=self.trust_remote_code, attention=self.attention)
+                    trust_remote_code=self.trust_remote_code, attention=self.attention, weights=weights_dtype(self.dtype))
 
     def settings(self) -> dict[str, Any]:
         """The training settings of the workload."""
@@ -250,7 +253,7 @@ class Request:
         if isinstance(self.model, str) and not self.model.strip():
             problems.append(f"{option('model')} must name a model, but got {self.model!r}; see `autobatch models`")
         if not isinstance(self.dtype, torch.dtype) and str(self.dtype).lower() not in DTYPES:
-            problems.append(f"{option('dtype')} must be one of fp32, bf16, fp16, but got {self.dtype!r}")
+            problems.append(f"{option('dtype')} must be one of fp32, bf16, fp16, bf16-true, fp16-true, but got {self.dtype!r}")
         if isinstance(self.optimizer, str) and self.optimizer.lower() not in OPTIMIZERS:
             problems.append(f"{option('optimizer')} must be one of {', '.join(OPTIMIZERS)}, but got {self.optimizer!r}")
 
@@ -322,6 +325,9 @@ class Request:
         if self.grads_held and any(s.name != "ddp" for s in strategies or ()):
             problems.append(f"{option('grads_held')} holds an unsharded step's gradients into the next forward; FSDP "
                             f"and ZeRO keep theirs as their engines do: drop it, or compare with {option('strategy')} ddp")
+        if str(self.dtype).lower().endswith("-true") and any(s.is_deepspeed for s in strategies or ()):
+            problems.append(f"{option('dtype')} {self.dtype} trains pure low-precision weights, but DeepSpeed keeps fp32 "
+                            f"master weights beside them; use {option('dtype')} {str(self.dtype)[:4]} with ZeRO")
         lengths = self.lengths
         if lengths is not None and any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
                                        for s in lengths):

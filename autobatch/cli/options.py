@@ -90,7 +90,11 @@ Attention = Annotated[str | None, typer.Option(
          "attention probabilities (O(seq²) a layer; 9.6 GiB more for gpt2 at 8 × 1024 on an H200). Default: "
          "the model's own (sdpa).",
 )]
-Dtype = Annotated[str, typer.Option("--dtype", rich_help_panel=_MODEL, help="fp32, bf16 or fp16 (autocast).")]
+Dtype = Annotated[str, typer.Option(
+    "--dtype", rich_help_panel=_MODEL,
+    help="fp32; bf16 or fp16 (autocast, fp32 weights); bf16-true or fp16-true (the weights, their gradients and "
+         "the optimizer's state in that dtype, as Lightning's bf16-true and torchtune train; not with ZeRO).",
+)]
 OptimizerName = Annotated[str, typer.Option(
     "--optimizer", rich_help_panel=_MODEL,
     help="adamw, adam, sgd, sgd-nomomentum, adafactor, or adamw8bit (bitsandbytes' AdamW8bit as memory: "

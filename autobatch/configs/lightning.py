@@ -17,7 +17,7 @@ __all__ = ["lightning_settings"]
 # The Trainer's strategy for each of autobatch's (Lightning's registry names).
 _STRATEGY = {"ddp": "ddp", "fsdp1": "fsdp", "fsdp2": "fsdp", "zero1": "deepspeed_stage_1", "zero2": "deepspeed_stage_2",
              "zero3": "deepspeed_stage_3"}
-_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true", "fp16-true": "16-true"}
 
 
 def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | None = None) -> dict[str, dict[str, Any]]:

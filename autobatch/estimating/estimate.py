@@ -37,7 +37,7 @@ from ..probing.progress import working
 from ..probing.result import BatchResult, not_led
 from ..probing.search import search_max
 from ..probing.trial import Trial, run_trial
-from ..probing.workload import Workload, make_optimizer, resolve_dtype
+from ..probing.workload import Workload, make_optimizer, resolve_dtype, weights_dtype
 
 # An estimate's extra["trace_prior"]["reason"]: its trials are traces, there are no real ones to lead.
 IS_THE_TRACE = "an estimate's trials are the trace itself"
@@ -356,7 +356,8 @@ def estimate(
         traced=tuple(traced),
         seconds=time.perf_counter() - started,
         workload=workload.name,
-        dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
+        dtype=(str(workload.dtype).lower() if weights_dtype(workload.dtype) is not None
+               else "fp32" if dtype is None else str(dtype).removeprefix("torch.")),
         extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
                # the batches read off the one symbolic trace; the others were traced at their size
                "traced_once_for": answered},

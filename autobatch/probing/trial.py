@@ -15,7 +15,7 @@ from .backends import MemoryBackend
 from .oom import is_oom_error, oom_message
 from .progress import working
 from .samples import check_sample_count
-from .workload import Workload, make_optimizer, resolve_dtype, step_loss
+from .workload import Workload, make_optimizer, resolve_dtype, step_loss, weights_dtype
 
 __all__ = ["Trial", "PhasePeaks", "run_trial", "forward_backward", "batch_on", "to_device", "drain_autograd"]
 
@@ -52,24 +52,25 @@ class Trial:
         return asdict(self)
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
+def to_device(batch: Any, device: torch.device, floats: torch.dtype | None = None) -> Any:
+    """Move every tensor in a (nested) batch to ``device``; floating-point ones also to ``floats`` where given."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device)
+        return batch.to(device, dtype=floats) if floats is not None and batch.is_floating_point() else batch.to(device)
     if isinstance(batch, Mapping):
-        moved = {k: to_device(v, device) for k, v in batch.items()}
+        moved = {k: to_device(v, device, floats) for k, v in batch.items()}
         return moved if type(batch) is dict else type(batch)(moved)
     if isinstance(batch, (list, tuple)):
-        items = [to_device(v, device) for v in batch]
+        items = [to_device(v, device, floats) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
 
 
 def batch_on(workload: Workload, batch_size: int, device: torch.device) -> Any:
-    """``workload.make_batch(batch_size)`` on ``device``, refused when it does not hold ``batch_size`` samples."""
+    """``workload.make_batch(batch_size)`` on ``device``, refused when it does not hold ``batch_size`` samples.
+    With pure low-precision weights its floating-point tensors take their dtype (Lightning's ``convert_input``)."""
     batch = workload.make_batch(batch_size)
     check_sample_count(batch, batch_size, workload.make_batch)
-    return to_device(batch, device)
+    return to_device(batch, device, weights_dtype(workload.dtype))
 
 
 def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -11,7 +12,8 @@ import torch
 from ..errors import AutobatchError
 from .eight_bit import EightBitAdamW
 
-__all__ = ["Workload", "default_loss", "step_loss", "where", "make_optimizer", "resolve_dtype", "OPTIMIZERS", "DTYPES"]
+__all__ = ["Workload", "default_loss", "step_loss", "where", "make_optimizer", "resolve_dtype", "weights_dtype",
+           "weights_in", "OPTIMIZERS", "DTYPES", "WEIGHTS"]
 
 ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -29,7 +31,11 @@ DTYPES: dict[str, torch.dtype | None] = {
     "fp32": None, "float32": None,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16,
+    # pure low-precision weights (Lightning's bf16-true and 16-true, torchtune's dtype): no autocast
+    "bf16-true": None, "fp16-true": None,
 }
+#: The weights' own dtype where it is not fp32: the whole model, its gradients and the optimizer's state.
+WEIGHTS: dict[str, torch.dtype] = {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}
 
 
 def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -125,7 +131,44 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     try:
         return DTYPES[dtype.lower()]
     except KeyError:
-        raise AutobatchError(f"dtype must be one of fp32, bf16, fp16, but got {dtype!r}") from None
+        raise AutobatchError(f"dtype must be one of fp32, bf16, fp16, bf16-true, fp16-true, but got {dtype!r}") from None
+
+
+def weights_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """The dtype the weights themselves are in for ``dtype`` (``"bf16-true"``: bfloat16), else ``None``:
+    fp32 weights, under autocast for ``"bf16"`` and ``"fp16"``.
+
+    Example:
+        >>> weights_dtype("bf16-true"), weights_dtype("bf16")
+        (torch.bfloat16, None)
+    """
+    resolve_dtype(dtype)
+    return WEIGHTS.get(dtype.lower()) if isinstance(dtype, str) else None
+
+
+@contextmanager
+def weights_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """Build a model with its weights in ``dtype``: torch's default dtype for the block, as it was after.
+    Buffers a model keeps in float32 on purpose (rotary frequencies) stay so, as a checkpoint loaded
+    in bf16 keeps them."""
+    if dtype is None:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _built_in(factory: Callable[[], torch.nn.Module], dtype: torch.dtype) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        with weights_in(dtype):
+            return factory()
+
+    build.__name__ = getattr(factory, "__name__", "model")
+    return build
 
 
 @dataclass(frozen=True)
@@ -139,7 +182,10 @@ class Workload:
             (the longest sequence you will train on). Tensors are moved to the probed device.
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss; see :func:`default_loss`.
         optimizer: ``"adamw"``, ``"sgd"``, … or a factory ``params -> Optimizer``.
-        dtype: autocast dtype (``"bf16"``, ``"fp16"``) or ``None`` for fp32.
+        dtype: autocast dtype (``"bf16"``, ``"fp16"``), pure low-precision weights (``"bf16-true"``,
+            ``"fp16-true"``: a factory builds the model in that dtype, a model passed in must hold
+            it already, and floating-point inputs are cast to it, as Lightning's ``bf16-true`` does),
+            or ``None`` for fp32.
         grad_checkpointing: call the model's ``gradient_checkpointing_enable()`` while probing.
         grads_held: the gradients stay allocated from one step into the next one's forward, as in
             every accumulation micro-step after the first, or in a loop that zeroes them with
@@ -174,7 +220,19 @@ class Workload:
             raise AutobatchError(
                 f"steps must be an integer ≥ 2 (optimizer state appears at the first step), but got steps={self.steps!r}"
             )
-        resolve_dtype(self.dtype)
+        weights = weights_dtype(self.dtype)
+        if weights is not None and isinstance(self.model, torch.nn.Module):
+            held = sorted({str(p.dtype).removeprefix("torch.") for p in self.model.parameters()
+                           if p.is_floating_point() and p.dtype != weights})
+            if held:
+                raise AutobatchError(
+                    f"dtype {self.dtype} trains {str(weights).removeprefix('torch.')} weights, but the model passed in holds "
+                    f"{', '.join(held)} ones; cast it first (model.to(torch.{str(weights).removeprefix('torch.')})) "
+                    "or pass a function that builds it")
+        elif weights is not None and not getattr(self.model, "_weights_in", None) == weights:
+            build = _built_in(self.model, weights)
+            build._weights_in = weights  # type: ignore[attr-defined]
+            object.__setattr__(self, "model", build)
         if isinstance(self.optimizer, str) and self.optimizer.lower() not in OPTIMIZERS:
             raise AutobatchError(
                 f"optimizer must be one of {', '.join(OPTIMIZERS)}, but got {self.optimizer!r}; "

@@ -36,7 +36,7 @@ from autobatch.probing.trial import Trial
 
 __all__ = [
     "Curve", "FAMILIES", "SEARCHES", "SMOOTH", "curves", "oracle", "true_max", "doubling_bisection", "measure", "Stats",
-    "wrong_priors", "measure_wrong",
+    "wrong_priors", "measure_wrong", "wrong_markdown",
     "markdown", "main",
 ]
 
@@ -250,9 +250,10 @@ def measure_wrong(coarse: bool = True) -> dict[str, Stats]:
         if curve.family not in ("staircase", "b·log b, kinks"):
             continue
         truth = true_max(curve)
+        reference = len(doubling_bisection(oracle(curve), curve.capacity, min_batch=curve.min_batch).trials)
         for name, prior in wrong_priors(curve).items():
             outcome = search_max(oracle(curve), curve.capacity, min_batch=curve.min_batch, prior=prior)
-            results.setdefault(f"{curve.family}: {name}", Stats()).add(outcome, truth, len(outcome.trials))
+            results.setdefault(f"{curve.family}: {name}", Stats()).add(outcome, truth, reference)
     return results
 
 
@@ -346,13 +347,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/curves.md"))
     args = parser.parse_args(argv)
     results = measure(coarse=args.coarse)
+    tables = markdown(results) + "\n" + wrong_markdown(measure_wrong(coarse=args.coarse))
     text = args.out.read_text() if args.out.exists() else ""
     marker = "<!-- measured: python -m benchmarks.curves -->"
     head = text.split(marker)[0] if text else "# The search on synthetic memory curves\n\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(head + marker + "\n\n" + markdown(results))
-    print(markdown(results))
+    args.out.write_text(head + marker + "\n\n" + tables)
+    print(tables)
     return 0
+
+
+def wrong_markdown(wrong: dict[str, Stats]) -> str:
+    """The table of ``search_max`` led by priors wrong as a trace can be (:func:`measure_wrong`)."""
+    return markdown({"search_max, trace prior wrong as a trace can be": wrong}).replace("| family |", "| curves: prior |", 1)
 
 
 if __name__ == "__main__":

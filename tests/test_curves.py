@@ -116,8 +116,9 @@ def test_priors_wrong_as_a_trace_can_be_still_lead_to_the_exact_answer_in_few_tr
         assert row["p90"] <= 8 and row["max"] <= 16, (name, row)
         assert row["largest tried ÷ answer"] <= 2.5, (name, row)
     # Every failure beyond the one that closes the bracket is a trial the prior misled: at most one
-    # in two curves, except where it misses a kink (it says a batch fits past the kink) or steps
-    # early (the first step it names fails): there at most two in three (measured 1.64 and 1.53).
+    # in two curves. A prior that steps a batch early is tried a batch past a step of it that fit
+    # (1.53 before, 1.20 now); one that misses a kink aims half the headroom low after it failed
+    # (1.64 before, 1.50 now: the rest is its first extrapolation past the kink, which no search
+    # that trusts a prior can see; 1.69 on the full grid, docs/benchmarks/curves.md).
     for name, stats in wrong.items():
-        bound = 1.7 if name.endswith(("missed kink", "steps early")) else 1.5
-        assert stats.row()["mean OOM trials"] <= bound, (name, stats.row())
+        assert stats.row()["mean OOM trials"] <= 1.5, (name, stats.row())

@@ -17,13 +17,14 @@ Guards keep a wrong model cheap:
   that creeps has its step doubled; two failures or three stalls running, bisect;
 * **misses judged by outcome** (led by a prior): a trial the model said fits but failed, or a model that moves
   the boundary up past its own fit (it creeps), is a miss. After a failure the model aims lower,
-  twice as low each time; creeping stretches the model's step, doubling, never past the middle;
+  half the headroom, 2.5 times as low each time after; creeping stretches the model's step, doubling, never past the middle;
   a model that a failure contradicts is not asked again until new points come: bisect;
 * **a prior that steps** (the trace booked in the allocator model: 2 MiB segments, a staircase):
   the device crosses the capacity at one of its steps, so after the prior said a failed batch
   fits, the batch just below its last step there is tried, then the step itself; where the
   prior is flat from the largest fit through the smallest failure it cannot tell those batches
-  apart (a tensor it does not see grew): bisect;
+  apart (a tensor it does not see grew): bisect; where a batch at one of its steps fits, the
+  batch after it is tried, once a search (a prior that rounds a tensor a batch early);
 * **bisection**: when three model-led trials have not halved the bracket, or two failed running,
   bisect — geometrically while the failure is more than four times the largest fit.
 
@@ -46,6 +47,7 @@ __all__ = ["SearchOutcome", "NoTrace", "search_max", "predict_batch", "chord_bat
 
 HARD_MAX_BATCH = 1 << 20  # a cap even when none is given: memory that never grows is a bug to report
 _MARGIN = 0.2            # share of the headroom a one-point model aims low
+_LOWER = 2.5             # after each miss the model aims this many times lower (half the headroom at the first)
 _TRUSTED = 0.001         # a prior this close to the first trial is trusted without a margin
 _STALLS = 3               # model-led trials that did not halve the bracket before it is bisected
 _BACK = 4                 # a step back from a failure: a quarter of the model's last move or of the bracket, ×4 on
@@ -158,7 +160,7 @@ class _Search:
         guessed = abs(points[self.lo] - known(self.lo)) > _TRUSTED * points[self.lo]
         far = len(points) == 1 and guessed and crossing(curve, limit, self.lo, self.cap) > 1.5 * self.lo
         if far or cautious:
-            limit -= min(0.9, _MARGIN * 2 ** cautious) * max(0, self.capacity - points[self.lo])
+            limit -= min(0.9, _MARGIN * _LOWER ** cautious) * max(0, self.capacity - points[self.lo])
         return crossing(curve, limit, self.lo, self.cap)
 
     def step_below(self, batch: int) -> int | None:
@@ -214,6 +216,7 @@ class _Search:
         previous = moved = None  # the settled prior's last guess, and how far its guess last moved
         drop = None  # the next batch to try at one of the prior's steps (see the drop path below)
         at_step = False  # drop is the step itself, tried once after the batch just below it fit
+        late = False  # the batch after a step of the prior that fit was tried (once a search)
         misses_below = 0  # batches just below a step that failed running (at two, the model is asked again)
         while not self.done:
             self.adopt()
@@ -291,6 +294,12 @@ class _Search:
                     stride = max(1, batch - self.lo) << streak
                     batch = self.clamp(min(self.lo + stride, self.reach() if self.hi is None else self.bisect()))
             fits = self.attempt(batch)
+            if fits and led and settled and not late and not self.done and self.prior(batch) > self.prior(batch - 1) \
+                    and self.prior(batch + 1) == self.prior(batch):
+                # It fit where the prior steps up: the device's step may come a batch later than the
+                # prior's (a tensor the prior rounds a batch early); that batch, once a search.
+                drop, at_step, late = batch + 1, True, True
+                continue
             if not fits and led and self.step_below(batch) is None:
                 # A smooth prior (one that does not step there) failed: calibrated far below, it
                 # misses the slope near the boundary. (A prior that steps has its own path below.)

@@ -19,6 +19,7 @@ from autobatch.estimating.fake_backends import fake_backend
 from autobatch.strategy import parse_strategy
 from tests import sharded_jobs
 from tests.extras import need
+from tests.ranks import slow
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -55,7 +56,8 @@ class _Seen(torch.nn.Module):
         return torch.relu(self.linear(x))
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize("name", ["fsdp2", pytest.param("fsdp1", marks=slow("FSDP1's policy is checked against "
+                                                                              "accelerate's and Lightning's above (~2 s)"))])
 def test_a_traced_step_computes_with_gathered_bf16_weights_and_holds_less(name, monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 

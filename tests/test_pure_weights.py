@@ -50,6 +50,10 @@ def test_the_trace_equals_real_steps_and_inputs_take_the_weights_dtype():
 def test_a_factory_is_built_in_the_dtype_and_a_module_must_hold_it():
     factory = autobatch.Workload(lambda: torch.nn.Linear(8, 2), lambda b: torch.randn(b, 8), dtype="bf16-true")
     assert factory.model().weight.dtype == torch.bfloat16 and torch.get_default_dtype() == torch.float32
+    from dataclasses import replace
+
+    assert replace(factory, dtype="fp16-true").model().weight.dtype == torch.float16  # rebuilt for the new dtype
+    assert replace(factory, dtype="bf16").model().weight.dtype == torch.float32  # autocast: fp32 weights
     with pytest.raises(AutobatchError, match=r"bf16-true trains bfloat16 weights, but the model passed in holds "
                                              r"float32 ones; cast it first \(model.to\(torch.bfloat16\)\)"):
         autobatch.Workload(torch.nn.Linear(8, 2), lambda b: torch.randn(b, 8), dtype="bf16-true")

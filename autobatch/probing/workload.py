@@ -168,6 +168,7 @@ def _built_in(factory: Callable[[], torch.nn.Module], dtype: torch.dtype) -> Cal
             return factory()
 
     build.__name__ = getattr(factory, "__name__", "model")
+    build._weights_in, build._factory = dtype, factory  # type: ignore[attr-defined]
     return build
 
 
@@ -229,10 +230,9 @@ class Workload:
                     f"dtype {self.dtype} trains {str(weights).removeprefix('torch.')} weights, but the model passed in holds "
                     f"{', '.join(held)} ones; cast it first (model.to(torch.{str(weights).removeprefix('torch.')})) "
                     "or pass a function that builds it")
-        elif weights is not None and not getattr(self.model, "_weights_in", None) == weights:
-            build = _built_in(self.model, weights)
-            build._weights_in = weights  # type: ignore[attr-defined]
-            object.__setattr__(self, "model", build)
+        elif getattr(self.model, "_weights_in", None) != weights:
+            factory = getattr(self.model, "_factory", self.model)  # a factory wrapped for another dtype: its own
+            object.__setattr__(self, "model", factory if weights is None else _built_in(factory, weights))
         if isinstance(self.optimizer, str) and self.optimizer.lower() not in OPTIMIZERS:
             raise AutobatchError(
                 f"optimizer must be one of {', '.join(OPTIMIZERS)}, but got {self.optimizer!r}; "

@@ -148,6 +148,9 @@ def parse_strategies(text: str, offload: str | None = None, unit: str | None = N
         if strategy not in found:
             found.append(strategy)
     if offload not in (None, "none") and not any(s.is_deepspeed for s in found):
+        if len(found) > 1:
+            raise AutobatchError(f"offload is a DeepSpeed ZeRO setting, but none of {', '.join(s.name for s in found)} "
+                                 "is ZeRO; add zero1, zero2 or zero3 to the strategies, or drop offload")
         parse_strategy(found[0].name, offload=offload)  # raises the one-line error
     if unit is not None and not any(s.is_fsdp for s in found):
         parse_strategy(found[0].name, unit=unit)  # likewise: a unit that no strategy of the list would wrap

@@ -110,8 +110,8 @@ def test_real_cpu_steps_still_refuse_offload_and_name_the_estimate():
     from autobatch import SimulatedBackend
     from autobatch.distributed.simulated_world import probe_sharded
 
-    with pytest.raises(AutobatchError, match="autobatch estimate --strategy zero3 --offload optimizer"):
-        probe_sharded(Workload(pairs, lambda b: torch.randn(b, H)), SimulatedBackend("1GiB"),
+    with pytest.raises(AutobatchError, match="autobatch estimate --model pairs --gpus 4 --strategy zero3 --offload optimizer"):
+        probe_sharded(Workload(pairs, lambda b: torch.randn(b, H), name="pairs"), SimulatedBackend("1GiB"),
                       Strategy("zero3", offload="optimizer"), 4)
 
 
@@ -132,3 +132,13 @@ def test_estimate_offload_from_the_command_line_answers_with_the_state_on_the_ho
     assert sharding["strategy"]["offload"] == "optimizer"
     assert sharding["deepspeed_zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert sharding["per_rank"]["optimizer_state"] == 0 < sharding["per_rank"]["parameters"]
+    assert out["trained_with"] == {"precision": None, "grad_checkpointing": False}
+
+
+def test_offload_on_a_list_without_zero_names_every_strategy_it_was_given():
+    from autobatch.strategy import parse_strategies
+
+    with pytest.raises(AutobatchError, match=r"^offload is a DeepSpeed ZeRO setting, but none of ddp, fsdp2 is ZeRO; "
+                                             r"add zero1, zero2 or zero3 to the strategies, or drop offload$"):
+        parse_strategies("ddp,fsdp2", offload="optimizer")
+    assert [s.label for s in parse_strategies("ddp,zero2", offload="optimizer")] == ["ddp", "zero2+offload-optimizer"]

@@ -67,6 +67,7 @@ def test_the_cli_plans_it_and_writes_lightnings_precision_and_no_mixed_precision
                               "2MiB", "--json", "--hf", str(tmp_path / "hf.json"), "--accelerate", str(tmp_path / "a.yaml")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
+    assert out["trained_with"] == {"precision": "bf16-true", "grad_checkpointing": False}
     fp32 = json.loads(runner.invoke(app, ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB",
                                           "--json"]).stdout)
     assert out["max_batch"] > 2 * fp32["max_batch"]  # activations and state at half the bytes

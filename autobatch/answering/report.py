@@ -71,7 +71,8 @@ class Report:
 
     def training(self) -> dict[str, Any]:
         """What the micro batch was probed with and so must train with: ``precision`` (``"bf16"``,
-        ``"fp16"`` or ``None``) and ``grad_checkpointing``; none for a plan alone."""
+        ``"fp16"``, ``"bf16-true"``, ``"fp16-true"`` or ``None`` for fp32) and ``grad_checkpointing``;
+        none for a plan alone."""
         request = self.request
         if request.model is None:
             return {"precision": None, "grad_checkpointing": False}
@@ -95,8 +96,11 @@ class Report:
         """The ``--json`` of every command that answers a request; the keys scripts read stay put:
         ``max_batch``, ``safe_batch``, ``plan``, ``probe``, ``trials``, ``strategies``; ``notes`` holds
         what was said on the way (on stderr), when anything was; ``per_rank`` and ``uneven`` the plan
-        per rank, when one was asked; ``gpus`` the cards of a mixed list."""
+        per rank, when one was asked; ``gpus`` the cards of a mixed list; ``trained_with`` the
+        precision and checkpointing the batch was found with (every answer about a model)."""
         data = self._answer_dict()
+        if self.mode != "solve" and self.request.model is not None:
+            data["trained_with"] = self.training()
         if self.cards:
             data["gpus"] = list(self.cards)
         if self.uneven is not None:

@@ -84,11 +84,12 @@ def probe_sharded(
     strategy = parse_strategy(strategy)
     if strategy.offload is not None and backend.device.type == "cpu" and backend.device.index is None:
         # A trace whose host is apart (cpu:0, estimate's backend for offload) tells the two apart; real CPU steps cannot.
+        asked = f"--strategy {strategy.name} --offload {strategy.offload}"
         raise AutobatchError(
             f"offload={strategy.offload!r} moves state to host memory, which on the CPU is the simulated device "
             "itself, so it cannot be probed here; probe it on a GPU, estimate it on fake tensors "
-            f"(`autobatch estimate --strategy {strategy.name} --offload {strategy.offload}`), or probe without --offload "
-            f"and write it into the configs with `autobatch solve --strategy {strategy.name} --offload {strategy.offload} "
+            f"(`autobatch estimate --model {workload.name} --gpus {world_size} {asked}`), or probe without --offload "
+            f"and write it into the configs with `autobatch solve --target GLOBAL_BATCH --gpus {world_size} {asked} "
             "--deepspeed ds.json`")
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):

@@ -15,7 +15,7 @@ from .backends import MemoryBackend
 from .oom import is_oom_error, oom_message
 from .progress import working
 from .samples import check_sample_count
-from .workload import Workload, make_optimizer, resolve_dtype, step_loss, weights_dtype
+from .workload import Workload, make_optimizer, resolve_dtype, step_loss, weights_dtype, weights_in
 
 __all__ = ["Trial", "PhasePeaks", "run_trial", "forward_backward", "batch_on", "to_device", "drain_autograd"]
 
@@ -68,9 +68,13 @@ def to_device(batch: Any, device: torch.device, floats: torch.dtype | None = Non
 def batch_on(workload: Workload, batch_size: int, device: torch.device) -> Any:
     """``workload.make_batch(batch_size)`` on ``device``, refused when it does not hold ``batch_size`` samples.
     With pure low-precision weights its floating-point tensors take their dtype (Lightning's ``convert_input``)."""
-    batch = workload.make_batch(batch_size)
+    weights = weights_dtype(workload.dtype)
+    # Made in that dtype where make_batch leaves it to torch's default: a batch made in fp32 and cast
+    # would hold both copies at once on a simulated budget, where a GPU copies the host's in one go.
+    with weights_in(weights):
+        batch = workload.make_batch(batch_size)
     check_sample_count(batch, batch_size, workload.make_batch)
-    return to_device(batch, device, weights_dtype(workload.dtype))
+    return to_device(batch, device, weights)
 
 
 def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:

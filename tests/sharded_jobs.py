@@ -36,8 +36,27 @@ def batch(b: int) -> torch.Tensor:
     return torch.randn(b, TOKENS, WIDTH)
 
 
-def workload(model: Any = blocks) -> autobatch.Workload:
-    return autobatch.Workload(model, batch)
+def workload(model: Any = blocks, dtype: str | None = None) -> autobatch.Workload:
+    return autobatch.Workload(model, batch, dtype=dtype)
+
+
+def fake_and_real(strategy: str, budget: int, dtype: str | None = None) -> tuple[Any, Any]:
+    """``probe_sharded`` of the blocks as rank 0 of 4 on fake tensors and with real steps on the same budget;
+    checks that both took the same trials, byte for byte, with the same per-rank terms, and returns both."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autobatch.distributed.simulated_world import probe_sharded
+    from autobatch.estimating.fake_backends import fake_backend
+
+    with FakeTensorMode():
+        fake_model = blocks()
+    backend = fake_backend(fake_model, budget, fused_attention=False)
+    assert backend is not None
+    fake = probe_sharded(workload(fake_model, dtype), backend, strategy, 4)
+    real = probe_sharded(workload(dtype=dtype), SimulatedBackend(budget), strategy, 4)
+    assert [(t.batch, t.fits, t.peak_bytes) for t in fake.trials] == [(t.batch, t.fits, t.peak_bytes) for t in real.trials]
+    assert fake.extra["sharding"]["per_rank"] == real.extra["sharding"]["per_rank"]
+    return fake, real
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

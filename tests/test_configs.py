@@ -314,3 +314,40 @@ def test_hf_and_accelerate_values_for_deepspeed_point_at_the_same_file():
     line = accelerate_command(plan, "train.py", deepspeed_config_file="ds.json")
     assert line.startswith("accelerate launch") and "--deepspeed_config_file ds.json" in line
     assert yaml.safe_load(yaml.safe_dump(accelerate_config(plan))) == accelerate_config(plan)
+
+
+@pytest.mark.parametrize("name, offload, kind, stage", [
+    ("ddp", None, "DDPStrategy", None), ("fsdp1", None, "FSDPStrategy", None),
+    ("fsdp2", None, "ModelParallelStrategy", None), ("zero1", None, "DeepSpeedStrategy", 1),
+    ("zero2", None, "DeepSpeedStrategy", 2), ("zero3", None, "DeepSpeedStrategy", 3),
+    ("zero1", "optimizer", "DeepSpeedStrategy", 1), ("zero2", "optimizer", "DeepSpeedStrategy", 2),
+    ("zero3", "optimizer", "DeepSpeedStrategy", 3), ("zero3", "params", "DeepSpeedStrategy", 3),
+])
+def test_every_strategy_is_the_lightning_strategy_that_trains_as_probed(name, offload, kind, stage):
+    """Lightning's "fsdp" is FSDP1: FSDP2 (fully_shard) is its ModelParallelStrategy, every rank data parallel.
+    A name resolves through Lightning's own registry (FSDP1 and DeepSpeed need a GPU for a whole Trainer)."""
+    need("lightning")
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from autobatch.configs.lightning import LightningStrategy
+    from autobatch.strategy import parse_strategy
+
+    plan = solve(224, 8, 2, max_micro=7)
+    setting = lightning_settings(plan, strategy=parse_strategy(name, offload))["trainer"]["strategy"]
+    if kind == "DeepSpeedStrategy":
+        need("deepspeed")
+    built = setting.build() if isinstance(setting, LightningStrategy) else StrategyRegistry.get(setting)
+    assert type(built).__name__ == kind
+    if stage is not None:
+        zero = built.config["zero_optimization"]
+        assert zero["stage"] == stage
+        assert zero.get("offload_optimizer", {}).get("device") == ("cpu" if offload else None)
+        assert zero.get("offload_param", {}).get("device") == ("cpu" if offload == "params" else None)
+    if name == "fsdp2":  # a whole Trainer on the CPU, where its sizes must make the world
+        lightning = need("lightning")
+        trainer = lightning.Trainer(accelerator="cpu", devices=plan.gpus_per_node, num_nodes=plan.nodes,
+                                    strategy=built, logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False)
+        assert repr(setting) == "ModelParallelStrategy(data_parallel_size=16, tensor_parallel_size=1)"
+        sizes = dict(setting.kwargs)
+        assert sizes["data_parallel_size"] * sizes["tensor_parallel_size"] == trainer.world_size == plan.num_processes

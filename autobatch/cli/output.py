@@ -37,7 +37,7 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
     from .. import accelerate_command, hf_flags, lightning_settings, torchrun_command
 
     lightning = lightning_settings(plan, strategy=strategy, precision=precision)
-    trainer = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in lightning["trainer"].items())
+    trainer = ", ".join(f"{k}={v!r}" for k, v in lightning["trainer"].items())
     flags = hf_flags(plan, deepspeed, strategy, precision=precision, grad_checkpointing=grad_checkpointing)
     lines = [
         f"HF TrainingArguments: {shlex.join(flags)}",

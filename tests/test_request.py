@@ -99,6 +99,25 @@ def test_find_is_the_short_form_of_answer():
     assert plan == report.plan and report.finding.probe.max_batch >= plan.micro_batch
 
 
+def test_find_names_the_field_an_options_flag_spelling_meant_before_anything_runs():
+    """Every flag spelt from Python as on the command line (gpus= for --gpus) gets one line with the field."""
+    from autobatch.cli.options import FLAGS
+
+    fields = {f.name for f in dataclasses.fields(Request)}
+    differing = {flag[2:].replace("-", "_"): name for name, flag in FLAGS.items()
+                 if name in fields and flag[2:].replace("-", "_") not in fields}
+    assert {"gpus", "eval", "no_cache", "no_trace_prior"} <= differing.keys()
+    for spelt, name in differing.items():
+        with pytest.raises(RequestError) as caught:
+            autobatch.find(mlp(), lambda b: 1 / 0, target=64, device="cpu", memory="8MiB", **{spelt: True})
+        value = "False" if spelt.startswith("no_") else "True"
+        assert str(caught.value) == f"find() takes no option {spelt!r}; use {name}={value}"
+    with pytest.raises(RequestError, match="'stratgy'; use strategy='zero3'$"):
+        autobatch.find(mlp(), batch, target=64, stratgy="zero3")
+    with pytest.raises(RequestError, match="'zzz'; use one of the Request fields: accelerate, .*, workspace$"):
+        autobatch.find(mlp(), batch, target=64, zzz=1)
+
+
 def test_answer_draws_a_strategy_table_from_python():
     report = answer(Request(model="tiny-mlp", device="cpu", memory="1MiB", gpus_per_node=4, strategy="ddp,fsdp2",
                             max_micro=2))

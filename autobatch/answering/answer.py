@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..configs import write_plan_configs
-from ..errors import AutobatchError
+from ..errors import AutobatchError, RequestError
 from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
 from ..planning.plan import Plan
 from ..planning.solver import solve
@@ -227,6 +227,25 @@ def _launched(request: Request) -> Report:
 _RENAMED = {"max_batch": "max_micro", "use_trace_prior": "trace_prior", "use_cache": "cache"}
 
 
+def _known(options: dict[str, Any]) -> None:
+    """One line for an option ``find`` does not take, naming the keyword meant: a flag's own spelling
+    (``gpus`` for ``--gpus``, ``no_cache`` for ``--no-cache``) finds the field it sets."""
+    import dataclasses
+    import difflib
+
+    fields = sorted(f.name for f in dataclasses.fields(Request) if f.init)
+    for key in options:
+        if key in fields or key == "on_trial":
+            continue
+        word = key.removeprefix("no_")
+        meant = [f for f in fields if f.startswith(word)] or difflib.get_close_matches(word, fields, n=1, cutoff=0.6) \
+            or [f for f in fields if word.startswith(f)]
+        value = not options[key] if key.startswith("no_") and isinstance(options[key], bool) else options[key]
+        fix = (f"use {meant[0]}={value!r}" if meant
+               else f"use one of the Request fields: {', '.join(fields)}")
+        raise RequestError([f"find() takes no option {key!r}; {fix}"])
+
+
 def find(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     make_batch: Callable[[int], Any],
@@ -264,8 +283,9 @@ def find(
         >>> plan.micro_batch * plan.grad_accum * plan.world_size
         96
     """
-    on_trial = options.pop("on_trial", None)
     options = {_RENAMED.get(k, k): v for k, v in options.items()}
+    _known(options)
+    on_trial = options.pop("on_trial", None)
     request = Request(model=model, make_batch=make_batch, loss_fn=loss_fn, optimizer=optimizer,
                       dtype="fp32" if dtype is None else dtype, grad_checkpointing=grad_checkpointing, target=target,
                       device=device, memory=memory, estimate=False, **options)

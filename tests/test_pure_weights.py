@@ -74,6 +74,12 @@ def test_the_cli_plans_it_and_writes_lightnings_precision_and_no_mixed_precision
     hf = json.loads((tmp_path / "hf.json").read_text())
     assert "bf16" not in hf and "fp16" not in hf  # the Trainer trains a bf16 model as it is: no autocast asked
     assert "mixed_precision: bf16" not in (tmp_path / "a.yaml").read_text()
+    text = runner.invoke(app, ["find", "--model", "tiny-mlp", "--dtype", "bf16-true", "--device", "cpu", "--memory",
+                               "2MiB"]).stdout  # the HF Trainer trains in the model's dtype: say how to load it
+    assert "weights: bf16-true was probed with the model itself in torch.bfloat16: load it so " \
+           "(from_pretrained(..., dtype=torch.bfloat16), or model.to(torch.bfloat16)), with no autocast" in text
+    assert "weights:" not in runner.invoke(app, ["find", "--model", "tiny-mlp", "--dtype", "bf16", "--device", "cpu",
+                                                 "--memory", "2MiB"]).stdout
     from autobatch.configs.lightning import lightning_settings
     from autobatch.planning.plan import Plan
 

@@ -46,7 +46,13 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
     ]
     if accelerate is not None:
         lines.append(f"accelerate: {accelerate_command(plan, script, config_file=accelerate, deepspeed_config_file=deepspeed)}")
+    if precision in _PURE:  # nothing above carries it: the HF Trainer and accelerate train in the model's dtype
+        lines.append(f"weights: {precision} was probed with the model itself in {_PURE[precision]}: load it so "
+                     f"(from_pretrained(..., dtype={_PURE[precision]}), or model.to({_PURE[precision]})), with no autocast")
     return lines
+
+
+_PURE = {"bf16-true": "torch.bfloat16", "fp16-true": "torch.float16"}
 
 
 def print_plan(plan: Any, *, label: str = "", **launch: Any) -> None:

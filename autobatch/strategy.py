@@ -5,7 +5,8 @@
 unit (a transformer block) at a time. DeepSpeed's ZeRO stages shard progressively: ``zero1``
 the optimizer state, ``zero2`` also the gradients, ``zero3`` also the parameters; ZeRO can
 offload the optimizer state (``offload="optimizer"``) or the parameters too (``"params"``) to
-host memory.
+host memory. FSDP2's ``CPUOffloadPolicy`` offloads the parameters with their gradients and the
+optimizer step (``offload="params"``).
 
 A :class:`Strategy` is what the probe wraps the model with
 (:mod:`autobatch.distributed.sharding`), what the config writers put into DeepSpeed, accelerate
@@ -40,8 +41,10 @@ class Strategy:
 
     Args:
         name: one of :data:`STRATEGIES`.
-        offload: ZeRO only: ``"optimizer"`` (optimizer state in host memory) or ``"params"``
-            (parameters too; ZeRO-3 only); ``None`` keeps everything on the device.
+        offload: ZeRO: ``"optimizer"`` (optimizer state in host memory) or ``"params"``
+            (parameters too; ZeRO-3 only). FSDP2: ``"params"``, its ``CPUOffloadPolicy`` (the sharded
+            parameters, their gradients and the optimizer step on the host). ``None`` keeps
+            everything on the device.
         unit: FSDP only: the class name of the module wrapped as one unit; ``None`` takes the
             model's transformer block (``_no_split_modules``) or the items of its largest layer list.
 
@@ -64,11 +67,15 @@ class Strategy:
             if self.offload not in OFFLOADS[1:]:
                 raise AutobatchError(
                     f"offload must be 'optimizer' or 'params', but got offload={self.offload!r}")
-            if self.zero_stage is None:
+            if self.name == "fsdp2" and self.offload != "params":
                 raise AutobatchError(
-                    f"offload is a DeepSpeed ZeRO setting, but the strategy is {self.name}; "
-                    "use zero1, zero2 or zero3 with --offload, or drop --offload")
-            if self.offload == "params" and self.zero_stage != 3:
+                    f"FSDP2's CPU offload (CPUOffloadPolicy) moves the parameters with their gradients and the "
+                    f"optimizer step to the host, but got offload={self.offload!r}; use offload='params'")
+            if self.zero_stage is None and self.name != "fsdp2":
+                raise AutobatchError(
+                    f"offload is a DeepSpeed ZeRO and FSDP2 setting, but the strategy is {self.name}; "
+                    "use zero1, zero2, zero3 or fsdp2 with --offload, or drop --offload")
+            if self.offload == "params" and self.zero_stage not in (3, None):
                 raise AutobatchError(
                     f"offload='params' needs ZeRO-3 (only stage 3 partitions parameters), but got {self.name}; "
                     "use zero3, or offload='optimizer'")
@@ -131,7 +138,8 @@ def parse_strategy(name: str | Strategy, offload: str | None = None, unit: str |
 def parse_strategies(text: str, offload: str | None = None, unit: str | None = None) -> list[Strategy]:
     """Comma-separated strategies (``"ddp,fsdp2,zero3"``), each once, in order.
 
-    ``offload`` applies to the ZeRO strategies and ``unit`` to the FSDP ones of the list.
+    ``offload`` applies to the ZeRO strategies of the list, and ``"params"`` to ``fsdp2`` too; ``unit``
+    to the FSDP ones.
 
     Example:
         >>> [s.name for s in parse_strategies("ddp, fsdp2,zero3")]
@@ -143,14 +151,15 @@ def parse_strategies(text: str, offload: str | None = None, unit: str | None = N
     found: list[Strategy] = []
     for part in names:
         base = parse_strategy(part)
-        strategy = Strategy(base.name, offload=offload if base.is_deepspeed else None,
-                            unit=unit if base.is_fsdp else None)
+        takes = base.is_deepspeed or (base.name == "fsdp2" and offload == "params")
+        strategy = Strategy(base.name, offload=offload if takes else None, unit=unit if base.is_fsdp else None)
         if strategy not in found:
             found.append(strategy)
-    if offload not in (None, "none") and not any(s.is_deepspeed for s in found):
+    if offload not in (None, "none") and not any(s.offload for s in found):
         if len(found) > 1:
-            raise AutobatchError(f"offload is a DeepSpeed ZeRO setting, but none of {', '.join(s.name for s in found)} "
-                                 "is ZeRO; add zero1, zero2 or zero3 to the strategies, or drop offload")
+            raise AutobatchError(f"offload is a DeepSpeed ZeRO and FSDP2 setting, but none of "
+                                 f"{', '.join(s.name for s in found)} offloads it; add zero1, zero2 or zero3 "
+                                 "(or fsdp2, with offload params) to the strategies, or drop offload")
         parse_strategy(found[0].name, offload=offload)  # raises the one-line error
     if unit is not None and not any(s.is_fsdp for s in found):
         parse_strategy(found[0].name, unit=unit)  # likewise: a unit that no strategy of the list would wrap
@@ -198,7 +207,10 @@ def strategy_from_accelerate(config: Mapping[str, Any], deepspeed: Mapping[str, 
         fsdp = config.get("fsdp_config") or {}
         version = fsdp.get("fsdp_version", 1) if isinstance(fsdp, Mapping) else 1
         unit = fsdp.get("fsdp_transformer_layer_cls_to_wrap") if isinstance(fsdp, Mapping) else None
-        return Strategy("fsdp2" if str(version) == "2" else "fsdp1", unit=unit if isinstance(unit, str) and unit else None)
+        name = "fsdp2" if str(version) == "2" else "fsdp1"
+        offloads = isinstance(fsdp, Mapping) and str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
+        return Strategy(name, offload="params" if offloads and name == "fsdp2" else None,
+                        unit=unit if isinstance(unit, str) and unit else None)
     if kind == "DEEPSPEED":
         section = config.get("deepspeed_config") or {}
         stage = section.get("zero_stage") if isinstance(section, Mapping) else None

@@ -50,8 +50,6 @@ def lacks(obs: dict[str, Any]) -> list[str]:
         missing.append("the card is not named")
     if obs["strategy"] == "zero3-offload" and obs["world_size"] is None:
         missing.append("the world size is not stated")
-    if obs.get("offload") and obs["strategy"] == "fsdp":
-        missing.append("FSDP's CPU offload of the parameters (--offload is ZeRO's)")
     return missing
 
 

@@ -106,13 +106,14 @@ def test_a_tensor_made_from_data_lands_on_the_gpu_apart_and_a_scalar_keeps_its_v
     assert backend.peak().allocated == 2 * 3 * 4 + 6 * 4
 
 
-def test_real_cpu_steps_still_refuse_offload_and_name_the_estimate():
+@pytest.mark.parametrize("strategy", [Strategy("zero3", offload="optimizer"), Strategy("fsdp2", offload="params")])
+def test_real_cpu_steps_still_refuse_offload_and_name_the_estimate(strategy):
     from autobatch import SimulatedBackend
     from autobatch.distributed.simulated_world import probe_sharded
 
-    with pytest.raises(AutobatchError, match="autobatch estimate --model pairs --gpus 4 --strategy zero3 --offload optimizer"):
-        probe_sharded(Workload(pairs, lambda b: torch.randn(b, H), name="pairs"), SimulatedBackend("1GiB"),
-                      Strategy("zero3", offload="optimizer"), 4)
+    asked = f"autobatch estimate --model pairs --gpus 4 --strategy {strategy.name} --offload {strategy.offload}"
+    with pytest.raises(AutobatchError, match=asked):
+        probe_sharded(Workload(pairs, lambda b: torch.randn(b, H), name="pairs"), SimulatedBackend("1GiB"), strategy, 4)
 
 
 def test_estimate_offload_from_the_command_line_answers_with_the_state_on_the_host():
@@ -138,7 +139,75 @@ def test_estimate_offload_from_the_command_line_answers_with_the_state_on_the_ho
 def test_offload_on_a_list_without_zero_names_every_strategy_it_was_given():
     from autobatch.strategy import parse_strategies
 
-    with pytest.raises(AutobatchError, match=r"^offload is a DeepSpeed ZeRO setting, but none of ddp, fsdp2 is ZeRO; "
-                                             r"add zero1, zero2 or zero3 to the strategies, or drop offload$"):
+    with pytest.raises(AutobatchError, match=r"^offload is a DeepSpeed ZeRO and FSDP2 setting, but none of ddp, fsdp2 "
+                                             r"offloads it; add zero1, zero2 or zero3 \(or fsdp2, with offload params\) "
+                                             r"to the strategies, or drop offload$"):
         parse_strategies("ddp,fsdp2", offload="optimizer")
     assert [s.label for s in parse_strategies("ddp,zero2", offload="optimizer")] == ["ddp", "zero2+offload-optimizer"]
+
+
+# --- FSDP2's CPUOffloadPolicy ----------------------------------------------------------------------
+
+
+def fsdp2_trial(dtype: str, offload: str | None, batch: int = 4):
+    """Rank 0 of W's FSDP2 trial, and the devices of its sharded parameters and optimizer state."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = pairs()
+    work = Workload(model, lambda b: torch.randn(b, 8, H), dtype=dtype)
+    backend = fake_backend(work.model, 1 << 40, host_apart=offload is not None)
+    with fake_process_group(W):
+        one = OneWrapper(work, work.model, Strategy("fsdp2", offload=offload), backend)
+        try:
+            done = one(batch)
+            params = list(one.wrapped.module.parameters())
+            places = ({p.to_local().device for p in params},
+                      {t.device for s in one.wrapped.optimizer.state.values() for t in s.values() if t.dim() > 0})
+        finally:
+            one.close()
+    return done, places
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fsdp2_offload_keeps_no_shard_gradient_or_state_on_the_gpu_only_what_a_step_gathers(dtype):
+    kept, (params, state) = fsdp2_trial(dtype, None)
+    moved, (moved_params, moved_state) = fsdp2_trial(dtype, "params")
+    # on the device: the fp32 shard, its gradient (held between steps) and AdamW's two moments, by hand
+    assert kept.breakdown.parameters == 4 * P // W
+    assert 0 <= kept.breakdown.optimizer_state - 8 * P // W < 64  # and the step counts
+    assert params == state == {torch.device("cpu")}  # one device: the trace's host is not apart
+    # offloaded: all three on the host; the device keeps nothing of them between steps
+    assert moved.breakdown.parameters == moved.breakdown.gradients == moved.breakdown.optimizer_state == 0
+    assert moved_params == moved_state == {torch.device("cpu")}
+    # a step still gathers one unit at a time onto the device, with the same activations; the shard it
+    # copies over to gather and the gradient shard it copies back are the device's for a while (a unit:
+    # one of the two blocks, half the model; a fp32 shard of it 4 * P / 2 / W bytes)
+    held = kept.breakdown.parameters + kept.breakdown.gradients + kept.breakdown.optimizer_state
+    copies = moved.trial.peak_bytes - (kept.trial.peak_bytes - held)
+    assert 0 < copies <= 2 * (4 * P // 2 // W)
+
+
+def test_estimate_fsdp2_offload_from_the_command_line_and_the_configs_that_train_so(tmp_path):
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    args = ["estimate", "--model", "tiny-gpt2", "--gpu-memory", "600MiB", "--gpus", "4", "--strategy", "fsdp2",
+            "--max-micro", "8"]
+    runner = CliRunner()
+    res = runner.invoke(app, [*args, "--offload", "params", "--json", "--target", "64", "--accelerate", str(tmp_path / "a.yaml"),
+                              "--hf", str(tmp_path / "hf.json")])
+    assert res.exit_code == 0, res.output
+    per_rank = json.loads(res.stdout)["probe"]["sharding"]["per_rank"]
+    kept = json.loads(runner.invoke(app, [*args, "--json"]).stdout)["probe"]["sharding"]["per_rank"]
+    assert per_rank["parameters"] == per_rank["gradients"] == per_rank["optimizer_state"] == 0 < kept["parameters"]
+    assert yaml.safe_load((tmp_path / "a.yaml").read_text())["fsdp_config"]["fsdp_offload_params"] is True
+    assert json.loads((tmp_path / "hf.json").read_text())["fsdp_config"]["cpu_offload"] is True
+    text = runner.invoke(app, [*args, "--offload", "params"]).stdout
+    assert "fsdp2+offload-params" in text
+    assert "strategy=ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)), DataLoader(batch_size=8); " \
+           "configure_model's fully_shard takes offload_policy=CPUOffloadPolicy()" in text

@@ -29,10 +29,10 @@ def test_what_a_point_lacks_is_said():
     assert published.lacks(by_id["hf-perf-bert-large-v100-bs4-fp32"]) == []
     assert any("TensorFlow" in said for said in published.lacks(by_id["google-bert-large-seq384-titanx-bs1-oom"]))
     assert any("not named" in said for said in published.lacks(by_id["litgpt-llama-2-7b-full-4xa100-fsdp-mb4-peak"]))
-    # ZeRO's offload is estimated (the host's tensors apart); FSDP's has no --offload to say it with
+    # ZeRO's and FSDP's offload are estimated (the host's tensors apart)
     assert published.lacks(by_id["zero-blog-t5-3b-rtx3090-deepspeed-offload-bs20-fit"]) == []
     assert published.lacks(by_id["ds-blog-deberta-v2-xlarge-zero2-fp16-bs40"]) == []  # "offload_optimizer_device none"
-    assert any("FSDP's CPU offload" in said for said in published.lacks(by_id["fsdp-blog-gpt2-xl-fsdp-offload-1gpu-bs10"]))
+    assert published.lacks(by_id["fsdp-blog-gpt2-xl-fsdp-offload-1gpu-bs10"]) == []  # as fsdp2 --offload params
 
 
 def test_a_peak_is_compared_with_the_figure_its_source_read():

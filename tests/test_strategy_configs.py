@@ -27,7 +27,9 @@ PLAN = Plan(6, 2, gpus_per_node=4)
 
 @pytest.mark.parametrize("bad, match", [
     (lambda: parse_strategy("zero4"), "strategy must be one of ddp, fsdp2, fsdp1, zero1, zero2, zero3, but got 'zero4'"),
-    (lambda: parse_strategy("fsdp2", offload="optimizer"), "offload is a DeepSpeed ZeRO setting"),
+    (lambda: parse_strategy("fsdp2", offload="optimizer"), "use offload='params'$"),
+    (lambda: parse_strategy("ddp", offload="params"), "offload is a DeepSpeed ZeRO and FSDP2 setting, but the strategy "
+                                                      "is ddp; use zero1, zero2, zero3 or fsdp2 with --offload"),
     (lambda: parse_strategy("zero2", offload="params"), "offload='params' needs ZeRO-3"),
     (lambda: parse_strategy("zero3", offload="disk"), "offload must be 'optimizer' or 'params'"),
     (lambda: parse_strategy("zero3", unit="GPT2Block"), "the FSDP unit names the block FSDP wraps"),
@@ -40,7 +42,9 @@ def test_bad_strategies_are_one_line_errors(bad, match):
 
 def test_strategy_lists_and_spellings():
     assert [s.label for s in parse_strategies("ddp,ZeRO-3,fsdp,zero3", offload="optimizer")] == [
-        "ddp", "zero3+offload-optimizer", "fsdp2"]
+        "ddp", "zero3+offload-optimizer", "fsdp2"]  # FSDP2 offloads its parameters or nothing
+    assert [s.label for s in parse_strategies("ddp,ZeRO-3,fsdp", offload="params")] == [
+        "ddp", "zero3+offload-params", "fsdp2+offload-params"]
     assert (Strategy("zero2").shards_gradients, Strategy("zero2").shards_parameters) == (True, False)
 
 
@@ -61,7 +65,7 @@ def test_deepspeed_file_carries_the_stage_and_deepspeeds_parser_reads_it(strateg
     assert strategy_from_deepspeed(written) == chosen
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "zero2", "zero3+optimizer"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2+params", "fsdp1", "zero2", "zero3+optimizer"])
 def test_accelerate_loader_reads_the_strategy(strategy, tmp_path):
     config_args = need("accelerate.commands.config.config_args")
     name, _, offload = strategy.partition("+")
@@ -73,6 +77,16 @@ def test_accelerate_loader_reads_the_strategy(strategy, tmp_path):
         assert loaded.distributed_type.value == "FSDP"
         assert loaded.fsdp_config["fsdp_version"] == (2 if name == "fsdp2" else 1)
         assert loaded.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "GPT2Block"
+        assert loaded.fsdp_config["fsdp_offload_params"] is (offload == "params")
+        if offload:  # accelerate's own plugin, from the environment its launcher sets from the file
+            from accelerate.utils import FullyShardedDataParallelPlugin
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            env = {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true", "FSDP_VERSION": "2"}
+            with pytest.MonkeyPatch.context() as patch:
+                for key, value in env.items():
+                    patch.setenv(key, value)
+                assert isinstance(FullyShardedDataParallelPlugin().cpu_offload, CPUOffloadPolicy)
     else:
         assert loaded.distributed_type.value == "DEEPSPEED"
         assert loaded.deepspeed_config["zero_stage"] == chosen.zero_stage
@@ -106,6 +120,10 @@ def test_hf_arguments_carry_fsdp_or_deepspeed():
     flags = hf_flags(PLAN, strategy=Strategy("fsdp2", unit="GPT2Block"))
     (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", "out", "--use_cpu", *flags])
     assert parsed.fsdp is True and parsed.fsdp_config["transformer_layer_cls_to_wrap"] == ["GPT2Block"]
+    assert "cpu_offload" not in parsed.fsdp_plugin_args
+    flags = hf_flags(PLAN, strategy=Strategy("fsdp2", offload="params", unit="GPT2Block"))
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", "out", "--use_cpu", *flags])
+    assert parsed.fsdp_plugin_args["cpu_offload"] is True  # accelerate's plugin makes it a CPUOffloadPolicy
 
 
 def test_a_deepspeed_file_cannot_carry_fsdp():

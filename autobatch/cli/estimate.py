@@ -53,6 +53,7 @@ __all__ = ["estimate_command", "gpus_command", "models_command"]
     "autobatch estimate --model gpt2 --gpu a100-80gb:4,a100-40gb:4 --target 512 --uneven",
     "autobatch estimate --model bert-base --gpu v100-16gb --attention eager --cuda-context 1.3GiB",
     "autobatch estimate --model llama-7b --gpu a100-40gb --gpus 8 --strategy zero3 --offload optimizer --dtype bf16",
+    "autobatch estimate --model gpt2 --gpu rtx-4090 --gpus 2 --strategy fsdp2 --offload params",
 ])
 def estimate_command(
     model: ModelSpec, gpu: GpuName = None, gpu_memory: GpuMemory = None,
@@ -72,7 +73,7 @@ def estimate_command(
 ) -> None:
     """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used.
 
-    The JSON carries "estimated": true. With --strategy: the sharded step as rank 0 of --gpus × --nodes ranks (torch's fake process group) against the GPU's usable memory; FSDP and ZeRO are traced on fake tensors (no memory used), ZeRO's --offload with the host's tensors counted apart from the GPU's; ddp as its gradient buckets."""  # noqa: E501 - one paragraph in --help
+    The JSON carries "estimated": true. With --strategy: the sharded step as rank 0 of --gpus × --nodes ranks (torch's fake process group) against the GPU's usable memory; FSDP and ZeRO are traced on fake tensors (no memory used), ZeRO's and FSDP2's --offload with the host's tensors counted apart from the GPU's; ddp as its gradient buckets."""  # noqa: E501 - one paragraph in --help
     answer_and_print(request_from(locals(), estimate=True), as_json=as_json)
 
 

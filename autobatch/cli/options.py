@@ -159,7 +159,8 @@ StrategyOption = Annotated[str | None, typer.Option(
 )]
 OffloadOption = Annotated[str | None, typer.Option(
     "--offload", rich_help_panel=_PLAN,
-    help="ZeRO only: optimizer (its state in host memory) or params (ZeRO-3: the parameters too).",
+    help="ZeRO: optimizer (its state in host memory) or params (ZeRO-3: the parameters too). "
+         "FSDP2: params (CPUOffloadPolicy: the shards, their gradients and the optimizer step on the host).",
 )]
 FsdpUnitOption = Annotated[str | None, typer.Option(
     "--fsdp-unit", rich_help_panel=_PLAN, show_default="the transformer block",

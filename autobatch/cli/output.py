@@ -41,7 +41,9 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
     flags = hf_flags(plan, deepspeed, strategy, precision=precision, grad_checkpointing=grad_checkpointing)
     lines = [
         f"HF TrainingArguments: {shlex.join(flags)}",
-        f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})",
+        f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})"
+        + ("; configure_model's fully_shard takes offload_policy=CPUOffloadPolicy()"
+           if strategy is not None and strategy.is_fsdp and strategy.offload else ""),
         f"torchrun: {torchrun_command(plan, script)}",
     ]
     if accelerate is not None:

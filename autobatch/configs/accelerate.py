@@ -147,7 +147,7 @@ def fsdp_plugin(strategy: Strategy) -> dict[str, Any]:
         "fsdp_version": version,
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP" if strategy.unit else "SIZE_BASED_WRAP",
         "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_offload_params": False,
+        "fsdp_offload_params": strategy.offload == "params",
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
     }
     if strategy.unit:

@@ -75,6 +75,8 @@ def hf_fsdp(strategy: Strategy) -> dict[str, Any]:
         config["transformer_layer_cls_to_wrap"] = [strategy.unit]
     else:  # a model with no blocks was probed wrapped by size
         config["min_num_params"] = SIZE_BASED_MIN_PARAMS
+    if strategy.offload == "params":  # FSDP2's CPUOffloadPolicy, through accelerate's cpu_offload
+        config["cpu_offload"] = True
     if not _legacy_fsdp_form():
         config["reshard_after_forward"] = True if version == 2 else "full_shard"
         return {"fsdp": True, "fsdp_config": config}

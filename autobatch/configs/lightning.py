@@ -46,9 +46,13 @@ class LightningStrategy:
 
     def build(self) -> Any:
         """The ``lightning.pytorch.strategies`` object to pass as ``Trainer(strategy=...)``."""
-        from ..integrations._common import require
+        try:
+            from lightning.pytorch import strategies
+        except ImportError:
+            from ..errors import MissingDependencyError
 
-        strategies = require("lightning.pytorch.strategies", "lightning", f"Lightning's {self.name}")
+            raise MissingDependencyError(f"Lightning's {self.name} needs lightning, which is not installed; "
+                                         "pip install 'autobatch[lightning]'") from None
         return getattr(strategies, self.name)(**dict(self.kwargs))
 
 

@@ -10,7 +10,8 @@ HF Trainer and accelerate do; DeepSpeed goes through :mod:`~autobatch.distribute
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -79,6 +80,35 @@ def _fsdp1_precision(workload: Workload) -> Any:
     from torch.distributed.fsdp import MixedPrecision
 
     return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+
+
+@contextmanager
+def _fsdp2_offload(strategy: Strategy, device: torch.device, model: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's offload policy while it wraps: ``CPUOffloadPolicy`` for ``offload="params"`` (the sharded
+    parameters, their gradients and the optimizer step on the host), else none.
+
+    In a trace whose host is apart (``device`` is ``cpu:0``: see
+    :func:`~autobatch.estimating.fake_backends.fake_backend`), FSDP2 computes on the mesh's device,
+    which for a CPU mesh is ``cpu``, the host itself: it is told ``cpu:0`` instead, so what it gathers
+    and computes is the device's and what it offloads is the host's. Fake tensors cannot be pinned;
+    pinning moves no bytes onto the device."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if strategy.offload is None:
+        yield OffloadPolicy()
+        return
+    fake = any(is_fake(p) for p in model.parameters())
+    if device.type != "cpu" or device.index is None:
+        yield CPUOffloadPolicy(pin_memory=not fake)
+        return
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    computes_on = _fully_shard._get_device_from_mesh
+    _fully_shard._get_device_from_mesh = lambda mesh: device
+    try:
+        yield CPUOffloadPolicy(pin_memory=not fake)
+    finally:
+        _fully_shard._get_device_from_mesh = computes_on
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -264,9 +294,10 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
                 mesh = DeviceMesh.from_group(group, device.type)
         _to(model, device)
         policy = _fsdp2_precision(workload)
-        for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        with _fsdp2_offload(strategy, device, model) as offload:
+            for unit in units:
+                fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
+            fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
         wrapped = model
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel

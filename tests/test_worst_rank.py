@@ -54,3 +54,28 @@ def test_where_rank_0_is_the_largest_the_last_rank_costs_one_trial() -> None:
     result = probe_sharded(_workload(), SimulatedBackend("4MiB"), "zero1", 2, headroom=0, on_trial=trials.append)
     assert result.extra["sharding"]["limiting_rank"] == 0
     assert len(trials) == len(result.trials) + 1 and trials[-1].batch == result.max_batch and trials[-1].fits
+
+
+def odd() -> torch.nn.Module:  # no dimension divides 3, 4 or 7: every rank's chunk differs in size
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 301),
+                               torch.nn.Linear(301, 7))
+
+
+def test_under_fsdp2_no_rank_holds_more_than_rank_0_so_rank_0_plays_alone() -> None:
+    """Real steps on every rank: the reason FSDP2's probe plays rank 0 alone (simulated_world._RANK_0_HOLDS_MOST)."""
+    uneven_seen = False
+    for dtype in ("fp32", "bf16"):
+        work = autobatch.Workload(odd, lambda b: torch.randn(b, 300), dtype=dtype)
+        for world in (2, 3, 4, 7):
+            peaks = []
+            for rank in range(world):
+                with frozen_heap(), fake_process_group(world, rank=rank):
+                    peaks.append(run_sharded_trial(work, odd(), parse_strategy("fsdp2"), SimulatedBackend("4GiB"),
+                                                   B).trial.reserved_bytes)
+            assert max(peaks) == peaks[0], (dtype, world, peaks)
+            uneven_seen |= min(peaks) < peaks[0]
+    assert uneven_seen  # the chunks differ: another rank did hold less
+    trials: list[autobatch.Trial] = []
+    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), "fsdp2", 4, headroom=0, on_trial=trials.append)
+    assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)

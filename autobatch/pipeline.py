@@ -128,6 +128,7 @@ def find_plan(
     strategy: Strategy | str | None = None,
     deepspeed_config: dict[str, Any] | None = None,
     use_trace_prior: bool = True,
+    lead: Any = None,
 ) -> Finding:
     """Probe ``workload`` on ``backend`` and solve for ``target`` with the safe batch as the limit.
 
@@ -140,7 +141,8 @@ def find_plan(
     world (``gpus_per_node × nodes / model_parallel`` ranks) on torch's fake process group
     (:func:`autobatch.distributed.simulated_world.probe_sharded`): the answer is per rank, for
     that many GPUs, from one device. Such probes are not cached. ``deepspeed_config`` is the
-    user's DeepSpeed file, whose bucket sizes a ZeRO probe uses.
+    user's DeepSpeed file, whose bucket sizes a ZeRO probe uses. An estimate's sharded search may be
+    led by another strategy's traced trials (``lead``: an :class:`~autobatch.estimating.lead.RowLead`).
 
     With ``use_trace_prior`` (the default) an unwrapped probe's search is led by the fake-tensor
     trace of the same step (:func:`~autobatch.estimating.prior.try_trace_prior`), calibrated
@@ -161,7 +163,14 @@ def find_plan(
         if getattr(backend, "fake_mode", None) is not None:  # an estimate: its trials are traces already
             from .estimating.estimate import IS_THE_TRACE
 
-            prior: Any = NoTrace(IS_THE_TRACE)
+            prior: Any = NoTrace(IS_THE_TRACE) if lead is None else lead
+            if lead is not None:
+                seen = on_trial
+
+                def on_trial(trial: Trial) -> None:
+                    lead.saw(trial)
+                    if seen is not None:
+                        seen(trial)
         else:
             prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
                                         deepspeed_config=deepspeed_config, device_type=backend.device.type,

@@ -7,6 +7,7 @@ the probe played rank 0 alone and answered seventy samples too many for rank 3.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autobatch
@@ -62,20 +63,25 @@ def odd() -> torch.nn.Module:  # no dimension divides 3, 4 or 7: every rank's ch
                                torch.nn.Linear(301, 7))
 
 
-def test_under_fsdp2_no_rank_holds_more_than_rank_0_so_rank_0_plays_alone() -> None:
-    """Real steps on every rank: the reason FSDP2's probe plays rank 0 alone (simulated_world._RANK_0_HOLDS_MOST)."""
+@pytest.mark.parametrize("strategy, worlds", [("fsdp2", (2, 3, 4, 7)), ("zero3", (3, 4))])
+def test_where_no_rank_holds_more_than_rank_0_rank_0_plays_alone(strategy, worlds) -> None:
+    """Real steps on every rank: the reason FSDP2's and ZeRO-3's probes play rank 0 alone
+    (simulated_world._RANK_0_HOLDS_MOST). FSDP2's chunks differ, rank 0's the largest; ZeRO-3's
+    partitions are all the padded size."""
+    if strategy == "zero3":
+        need("deepspeed")
     uneven_seen = False
     for dtype in ("fp32", "bf16"):
         work = autobatch.Workload(odd, lambda b: torch.randn(b, 300), dtype=dtype)
-        for world in (2, 3, 4, 7):
+        for world in worlds:
             peaks = []
-            for rank in range(world):
+            for rank in [*range(1, world), 0]:  # rank 0 last: a process's first DeepSpeed engine costs more
                 with frozen_heap(), fake_process_group(world, rank=rank):
-                    peaks.append(run_sharded_trial(work, odd(), parse_strategy("fsdp2"), SimulatedBackend("4GiB"),
+                    peaks.append(run_sharded_trial(work, odd(), parse_strategy(strategy), SimulatedBackend("4GiB"),
                                                    B).trial.reserved_bytes)
-            assert max(peaks) == peaks[0], (dtype, world, peaks)
-            uneven_seen |= min(peaks) < peaks[0]
-    assert uneven_seen  # the chunks differ: another rank did hold less
+            assert max(peaks) == peaks[-1], (dtype, world, peaks)
+            uneven_seen |= min(peaks) < peaks[-1]
+    assert uneven_seen == (strategy == "fsdp2")  # FSDP2's chunks differ: another rank held less
     trials: list[autobatch.Trial] = []
-    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), "fsdp2", 4, headroom=0, on_trial=trials.append)
+    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), strategy, 4, headroom=0, on_trial=trials.append)
     assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)

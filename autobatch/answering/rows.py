@@ -46,24 +46,33 @@ Setup = Callable[[Strategy], tuple[Any, MemoryBackend]]
 
 
 def strategy_rows(request: Request, setup: Setup, *, on_trial: Callable[[Any], None] | None = None,
-                  use_trace_prior: bool = True) -> list[Finding | NoFit]:
+                  use_trace_prior: bool = True, led: bool = False) -> list[Finding | NoFit]:
     """One :class:`~autobatch.pipeline.Finding` per strategy, each probed as rank 0 of the data-parallel world.
 
     ``setup(strategy)`` returns the workload and backend for that strategy. When several are
     compared, one under which nothing fits becomes a :class:`NoFit` row; a single strategy
-    raises its error.
+    raises its error. ``led`` (an estimate's traced rows): a row's search is led by the last row
+    before it whose step computes alike (:mod:`~autobatch.estimating.lead`).
     """
+    from ..estimating.lead import RowLead, leads
+
     strategies = request.strategies or ()
     user_config = user_deepspeed_config(request.deepspeed)
     gpus = request.gpus_per_node or 1
     found: list[Finding | NoFit] = []
+    leader: Finding | None = None
     for chosen in strategies:
         workload, backend = setup(chosen)
+        lead = None
+        if led and leader is not None and leads(chosen.name):
+            lead = RowLead(leader.probe.trials, leader.strategy.label if leader.strategy else "previous")
         try:
             found.append(find_plan(workload, gpus_per_node=gpus, backend=backend, max_batch=request.max_micro,
                                    min_micro=request.min_micro, headroom=request.headroom, strategy=chosen,
                                    deepspeed_config=user_config, on_trial=on_trial, use_trace_prior=use_trace_prior,
-                                   **request.planning()))
+                                   lead=lead if lead is not None and lead.usable else None, **request.planning()))
+            if leads(chosen.name):
+                leader = found[-1]
         except NoBatchFitsError as exc:
             if len(strategies) == 1:
                 raise
@@ -110,7 +119,7 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
         return workload, backends[apart]
 
     # The trials already run on fake tensors: a traced prior saves nothing.
-    return strategy_rows(request, setup, use_trace_prior=False)
+    return strategy_rows(request, setup, use_trace_prior=False, led=True)
 
 
 def estimate_overheads(request: Request) -> Any:

@@ -37,9 +37,11 @@ __all__ = ["probe_sharded", "sharding_report"]
 # Strategies under which no rank holds more than rank 0, so only rank 0 plays. DDP: every rank the
 # same. FSDP2: every rank's padded shard, gathered unit and reduce-scatter output have the same size,
 # and what is sized by the unpadded shard (its optimizer state, its gradient's view) is largest on
-# rank 0, whose chunk (torch.chunk's first) is never smaller than another's
-# (tests/test_worst_rank.py, on every rank of 2, 3, 4 and 7, fp32 and bf16).
-_RANK_0_HOLDS_MOST = ("ddp", "fsdp2")
+# rank 0, whose chunk (torch.chunk's first) is never smaller than another's. ZeRO-3: every rank's
+# partition of a parameter is its padded size over the world (DeepSpeed's ``_aligned_size(p) //
+# world``), and its flat groups, gradient partitions and buckets are made of those, so every rank
+# allocates the same sizes (tests/test_worst_rank.py: real steps on every rank, fp32 and bf16).
+_RANK_0_HOLDS_MOST = ("ddp", "fsdp2", "zero3")
 
 
 def sharding_report(strategy: Strategy, world_size: int, breakdown: MemoryBreakdown | None,

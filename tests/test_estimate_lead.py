@@ -1,0 +1,37 @@
+"""An estimate's rows lead one another: the same activations under FSDP and ZeRO, another state.
+
+Each row of a traced estimate searches on its own trials; one whose step computes alike (FSDP,
+ZeRO: in the run's dtype) is led by the row before it, moved onto its own first trial, and so
+tries the boundary next. DDP (fp32 weights under autocast) neither leads nor is led.
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import autobatch
+from autobatch.estimating import lead
+from autobatch.estimating.estimate import IS_THE_TRACE
+
+
+def rows(strategies: str) -> dict:
+    report = autobatch.answer(autobatch.Request(model="tiny-gpt2", gpu_memory="600MiB", gpus_per_node=4,
+                                                strategy=strategies, estimate=True, dtype="bf16"))
+    return {row.strategy.name: row.probe for row in report.rows}
+
+
+def test_a_row_led_by_the_one_before_it_tries_the_boundary_next_and_answers_as_alone():
+    led = rows("ddp,fsdp1,fsdp2")
+    alone = rows("fsdp2")["fsdp2"]
+    assert [t.batch for t in alone.trials] == [1, 17, 58, 59]
+    assert led["fsdp2"].max_batch == alone.max_batch == 58
+    assert [t.batch for t in led["fsdp2"].trials] == [1, 58, 59]  # a trial fewer: the slope came with the lead
+    assert [t.batch for t in led["fsdp1"].trials] == [1, 17, 58, 59]  # DDP does not lead FSDP
+    assert led["fsdp2"].extra["trace_prior"]["reason"] == (
+        f"{IS_THE_TRACE}; the fsdp1 row's trials led the search (the same activations, another state)")
+    assert led["fsdp2"].extra["trace_prior"]["led"] is False  # not the trace: a row's own traced trials
+    assert led["ddp"].extra["trace_prior"]["reason"] == led["fsdp1"].extra["trace_prior"]["reason"] == IS_THE_TRACE
+
+
+def test_the_examples_run():
+    assert doctest.testmod(lead).failed == 0

@@ -11,7 +11,7 @@ import autobatch
 from autobatch.distributed.sharded_trial import run_sharded_trial
 from autobatch.probing.backends import SimulatedBackend
 from autobatch.probing.memtrack import MemoryTracker
-from autobatch.strategy import parse_strategy
+from autobatch.strategy import Strategy, parse_strategy
 from tests.ranks import gathered
 
 WIDTH, DEPTH, TOKENS = 64, 4, 16
@@ -195,6 +195,20 @@ def ddp_buckets_do_not_fit_on_rank_1() -> list[Any]:
     except Exception as exc:  # noqa: BLE001 - what each rank was told is the answer
         return gathered((type(exc).__name__, str(exc)))
     return gathered(None)
+
+
+def offload_under_a_launcher_on_the_cpu() -> list[Any]:
+    """Every rank told why an offloading strategy cannot be probed on the CPU, before any trial."""
+    from autobatch.distributed.lockstep import probe_distributed
+
+    told = []
+    for strategy in (Strategy("fsdp2", offload="params"), Strategy("zero2", offload="optimizer")):
+        try:
+            probe_distributed(workload(), SimulatedBackend("64MiB"), strategy=strategy, timeout_s=20)
+            told.append(None)
+        except Exception as exc:  # noqa: BLE001 - what each rank was told is the answer
+            told.append((type(exc).__name__, str(exc)))
+    return gathered(told)
 
 
 LONG_TOKENS = 256  # activations of 64 KiB per sample and block: far above what collectives in flight hold

@@ -65,3 +65,15 @@ def test_one_rank_out_of_memory_in_ddps_constructor_is_named_on_every_rank() -> 
     for name, message in told:
         assert name == "NoBatchFitsError"
         assert message.startswith("rank 1: the model's weights and DDP's gradient buckets alone do not fit")
+
+
+def test_offload_under_a_launcher_on_the_cpu_is_refused_on_every_rank_before_any_trial() -> None:
+    """On the CPU the host is the simulated device itself: a launched probe refuses offload as the
+    one-process probe does, every rank alike (no rank waits in a collective for another)."""
+    told = spawn_local(sharded_jobs.offload_under_a_launcher_on_the_cpu, nprocs=2, backend="gloo", timeout_s=60)
+    for rank in told:
+        for (name, message), asked in zip(rank, ("--strategy fsdp2 --offload params --accelerate accelerate.yaml",
+                                                 "--strategy zero2 --offload optimizer --deepspeed ds.json")):
+            assert name == "AutobatchError"
+            assert "moves state to host memory, which on the CPU is the simulated device itself" in message
+            assert message.endswith(asked + "`")

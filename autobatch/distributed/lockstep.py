@@ -149,6 +149,12 @@ def probe_distributed(
         if not isinstance(model, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
         needed = min_batch if min_batch is not None else min_batch_for(model)
+        if chosen is not None:  # every rank refuses alike, before any collective could wait on it
+            from .simulated_world import offload_on_the_host
+
+            refused = offload_on_the_host(chosen, backend, workload.name, world)
+            if refused is not None:
+                raise refused
     except Exception as exc:
         error = exc
     comm = Comm(comm_device(backend), DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)

@@ -32,7 +32,7 @@ from .sharded_trial import MemoryBreakdown, ShardedTrial, off_the_gpu
 from .traced_trials import sharded_trials
 from .sharding import with_unit
 
-__all__ = ["probe_sharded", "sharding_report"]
+__all__ = ["probe_sharded", "sharding_report", "offload_on_the_host"]
 
 # Strategies under which no rank holds more than rank 0, so only rank 0 plays. DDP: every rank the
 # same. FSDP2: every rank's padded shard, gathered unit and reduce-scatter output have the same size,
@@ -55,6 +55,21 @@ def sharding_report(strategy: Strategy, world_size: int, breakdown: MemoryBreakd
     if zero:
         report["deepspeed_zero_optimization"] = zero
     return report
+
+
+def offload_on_the_host(strategy: Strategy, backend: MemoryBackend, name: str, world_size: int) -> AutobatchError | None:
+    """The error for an offloading strategy probed with real steps on the CPU, where the host is the
+    simulated device itself (a trace whose host is apart, on ``cpu:0``, tells the two apart); else None."""
+    if strategy.offload is None or backend.device.type != "cpu" or backend.device.index is not None:
+        return None
+    asked = f"--strategy {strategy.name} --offload {strategy.offload}"
+    configs = "--deepspeed ds.json" if strategy.is_deepspeed else "--accelerate accelerate.yaml"
+    return AutobatchError(
+        f"offload={strategy.offload!r} moves state to host memory, which on the CPU is the simulated device "
+        "itself, so it cannot be probed here; probe it on a GPU, estimate it on fake tensors "
+        f"(`autobatch estimate --model {name} --gpus {world_size} {asked}`), or probe without --offload "
+        f"and write it into the configs with `autobatch solve --target GLOBAL_BATCH --gpus {world_size} {asked} "
+        f"{configs}`")
 
 
 def probe_sharded(
@@ -91,15 +106,9 @@ def probe_sharded(
         >>> result = probe_sharded(work, autobatch.SimulatedBackend("300KiB"), "fsdp2", 4)  # doctest: +SKIP
     """
     strategy = parse_strategy(strategy)
-    if strategy.offload is not None and backend.device.type == "cpu" and backend.device.index is None:
-        # A trace whose host is apart (cpu:0, estimate's backend for offload) tells the two apart; real CPU steps cannot.
-        asked = f"--strategy {strategy.name} --offload {strategy.offload}"
-        raise AutobatchError(
-            f"offload={strategy.offload!r} moves state to host memory, which on the CPU is the simulated device "
-            "itself, so it cannot be probed here; probe it on a GPU, estimate it on fake tensors "
-            f"(`autobatch estimate --model {workload.name} --gpus {world_size} {asked}`), or probe without --offload "
-            f"and write it into the configs with `autobatch solve --target GLOBAL_BATCH --gpus {world_size} {asked} "
-            "--deepspeed ds.json`")
+    refused = offload_on_the_host(strategy, backend, workload.name, world_size)
+    if refused is not None:
+        raise refused
     for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")

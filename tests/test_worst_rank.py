@@ -67,7 +67,8 @@ def odd() -> torch.nn.Module:  # no dimension divides 3, 4 or 7: every rank's ch
 def test_where_no_rank_holds_more_than_rank_0_rank_0_plays_alone(strategy, worlds) -> None:
     """Real steps on every rank: the reason FSDP2's and ZeRO-3's probes play rank 0 alone
     (simulated_world._RANK_0_HOLDS_MOST). FSDP2's chunks differ, rank 0's the largest; ZeRO-3's
-    partitions are all the padded size."""
+    partitions are all the padded size (in a process that has run other engines before, rank 0 may
+    still hold a little more than the rest, never less)."""
     if strategy == "zero3":
         need("deepspeed")
     uneven_seen = False
@@ -81,7 +82,7 @@ def test_where_no_rank_holds_more_than_rank_0_rank_0_plays_alone(strategy, world
                                                    B).trial.reserved_bytes)
             assert max(peaks) == peaks[-1], (dtype, world, peaks)
             uneven_seen |= min(peaks) < peaks[-1]
-    assert uneven_seen == (strategy == "fsdp2")  # FSDP2's chunks differ: another rank held less
+    assert uneven_seen or strategy != "fsdp2"  # FSDP2's chunks differ: another rank held less
     trials: list[autobatch.Trial] = []
     result = probe_sharded(_workload(), SimulatedBackend("4MiB"), strategy, 4, headroom=0, on_trial=trials.append)
     assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)

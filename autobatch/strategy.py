@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import AutobatchError
 
-__all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies",
+__all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies", "as_strategy",
            "strategy_from_deepspeed", "strategy_from_accelerate"]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
@@ -133,6 +133,17 @@ def parse_strategy(name: str | Strategy, offload: str | None = None, unit: str |
     key = {"fsdp": "fsdp2", "fullyshard": "fsdp2", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}.get(key, key)
     offload = None if offload in (None, "none", "") else offload
     return Strategy(key, offload=offload, unit=unit)
+
+
+def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
+    """``None``, or the :class:`Strategy` a name stands for (a Strategy as it is): what every config
+    writer takes, so ``deepspeed_config(plan, strategy="zero3")`` reads as ``find(strategy="zero3")`` does.
+
+    Example:
+        >>> as_strategy("fsdp").name, as_strategy(None)
+        ('fsdp2', None)
+    """
+    return None if strategy is None else parse_strategy(strategy)
 
 
 def parse_strategies(text: str, offload: str | None = None, unit: str | None = None) -> list[Strategy]:

@@ -161,3 +161,20 @@ def test_fsdp_units_are_blocks_or_by_size_as_users_wrap():
     with torch.device("meta"):  # by size: a layer of 10**8 parameters is a unit of its own
         big = torch.nn.Sequential(torch.nn.Linear(10_000, 10_000), torch.nn.Linear(10, 2))
     assert fsdp_units(big) == [big[0]]
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp1", "fsdp2", "zero1", "zero3"])
+def test_every_config_writer_takes_a_strategys_name_as_find_does(name, tmp_path):
+    from autobatch.configs import accelerate_config, deepspeed_config, hf_flags, lightning_settings
+    from autobatch.configs.bundle import write_plan_configs
+
+    strategy = parse_strategy(name)
+    assert accelerate_config(PLAN, strategy=name) == accelerate_config(PLAN, strategy=strategy)
+    assert hf_training_args(PLAN, strategy=name) == hf_training_args(PLAN, strategy=strategy)
+    assert hf_flags(PLAN, strategy=name) == hf_flags(PLAN, strategy=strategy)
+    assert repr(lightning_settings(PLAN, strategy=name)) == repr(lightning_settings(PLAN, strategy=strategy))
+    if strategy.is_deepspeed:
+        assert deepspeed_config(PLAN, strategy=name) == deepspeed_config(PLAN, strategy=strategy)
+        assert zero_section(name) == zero_section(strategy)
+    written = write_plan_configs(PLAN, accelerate=tmp_path / "a.yaml", strategy=name)
+    assert f"probed under strategy {strategy.label}" in (tmp_path / "a.yaml").read_text() and written

@@ -19,7 +19,7 @@ import copy
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy
+from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy, as_strategy
 from .files import read_config, write_config
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def accelerate_config(
     mixed_precision: str = "no",
     main_process_ip: str | None = None,
     main_process_port: int = 29500,
-    strategy: Strategy | None = None,
+    strategy: Strategy | str | None = None,
 ) -> dict[str, Any]:
     """An accelerate ``ClusterConfig`` mapping for the plan (what ``accelerate config`` would write).
 
@@ -84,6 +84,7 @@ def accelerate_config(
         >>> accelerate_config(Plan(7, 2, gpus_per_node=16))["distributed_type"]
         'MULTI_GPU'
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     zero = strategy is not None and strategy.is_deepspeed
     fsdp = strategy is not None and strategy.is_fsdp
     if deepspeed_config_file is not None or zero:
@@ -135,13 +136,14 @@ def accelerate_config(
     return config
 
 
-def fsdp_plugin(strategy: Strategy) -> dict[str, Any]:
+def fsdp_plugin(strategy: Strategy | str) -> dict[str, Any]:
     """accelerate's ``fsdp_config`` section for an FSDP strategy: full sharding, one unit per block.
 
     Example:
         >>> fsdp_plugin(Strategy("fsdp2", unit="GPT2Block"))["fsdp_transformer_layer_cls_to_wrap"]
         'GPT2Block'
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     version = 2 if strategy.name == "fsdp2" else 1
     section: dict[str, Any] = {
         "fsdp_version": version,
@@ -163,8 +165,9 @@ def fsdp_plugin(strategy: Strategy) -> dict[str, Any]:
 
 
 def accelerate_comment(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None,
-                       strategy: Strategy | None = None) -> str:
+                       strategy: Strategy | str | None = None) -> str:
     """The header comment written above the YAML: the arithmetic and where accumulation lives."""
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     lines = [f"written by autobatch: {plan}"]
     if strategy is not None:
         lines.append(f"micro batch probed under strategy {strategy.label} (shards {strategy.sharded})")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import Strategy
+from ..strategy import Strategy, as_strategy
 from .accelerate import describe_changes, write_accelerate_config
 from .deepspeed import write_deepspeed_config
 from .files import _JSON, _YAML, ConfigFileError, read_config, write_config
@@ -68,7 +68,7 @@ def write_plan_configs(
     written: dict[str, str] | None = None,
     changes: list[str] | None = None,
     eval_batch: int | None = None,
-    strategy: Strategy | None = None,
+    strategy: Strategy | str | None = None,
     probed_zero: dict[str, Any] | None = None,
     precision: str | None = None,
     grad_checkpointing: bool = False,
@@ -100,6 +100,7 @@ def write_plan_configs(
         >>> write_plan_configs(plan, deepspeed="ds.json", accelerate="accelerate.yaml")  # doctest: +SKIP
         {'deepspeed_config': 'ds.json', 'accelerate_config': 'accelerate.yaml'}
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     written = {} if written is None else written
     changes = [] if changes is None else changes
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AutobatchError
-from ..strategy import Strategy
+from ..strategy import Strategy, as_strategy
 from .files import read_config, write_config
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ BATCH_KEYS = (TRAIN_BATCH_SIZE, MICRO_BATCH, GRAD_ACCUM)
 ZERO_OPTIMIZATION = "zero_optimization"
 
 
-def zero_section(strategy: Strategy, existing: dict[str, Any] | None = None,
+def zero_section(strategy: Strategy | str, existing: dict[str, Any] | None = None,
                  probed: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``zero_optimization`` section that trains as ``strategy`` was probed.
 
@@ -62,6 +62,7 @@ def zero_section(strategy: Strategy, existing: dict[str, Any] | None = None,
         >>> zero_section(Strategy("zero3", offload="optimizer"), {"stage": 2, "overlap_comm": True})
         {'stage': 3, 'overlap_comm': True, 'offload_optimizer': {'device': 'cpu', 'pin_memory': True}}
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     if strategy.zero_stage is None and strategy.name != "ddp":
         raise AutobatchError(
             f"a DeepSpeed config trains with ZeRO (zero1, zero2, zero3) or plain data parallelism (ddp), but the "
@@ -83,7 +84,7 @@ def zero_section(strategy: Strategy, existing: dict[str, Any] | None = None,
 
 
 def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep_auto: bool = False,
-                     strategy: Strategy | None = None, probed_zero: dict[str, Any] | None = None,
+                     strategy: Strategy | str | None = None, probed_zero: dict[str, Any] | None = None,
                      precision: str | None = None) -> dict[str, Any]:
     """The plan's three batch keys, merged into an existing DeepSpeed config or as a new one.
 
@@ -108,6 +109,7 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         >>> deepspeed_config(Plan(7, 2, gpus_per_node=16))
         {'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2, 'zero_optimization': {'stage': 0}}
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     config = copy.deepcopy(existing) if existing is not None else {}
     for key, value in zip(BATCH_KEYS, (plan.global_batch, plan.micro_batch, plan.grad_accum)):
         if keep_auto and config.get(key) == "auto":
@@ -145,7 +147,7 @@ def write_deepspeed_config(
     base: str | os.PathLike[str] | None = None,
     keep_auto: bool = False,
     for_accelerate: bool = False,
-    strategy: Strategy | None = None,
+    strategy: Strategy | str | None = None,
     probed_zero: dict[str, Any] | None = None,
     precision: str | None = None,
 ) -> dict[str, Any]:
@@ -169,6 +171,7 @@ def write_deepspeed_config(
     Example:
         >>> write_deepspeed_config(plan, "ds_config.json")  # doctest: +SKIP
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     source = base if base is not None else (path if Path(path).exists() else None)
     existing = read_deepspeed_config(source) if source is not None else None
     config = deepspeed_config(plan, existing, keep_auto=keep_auto, strategy=strategy, probed_zero=probed_zero,

@@ -10,7 +10,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy
+from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy, as_strategy
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
@@ -19,7 +19,7 @@ __all__ = ["hf_training_args", "hf_flags", "hf_fsdp"]
 
 
 def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None, *,
-                     eval_batch: int | None = None, strategy: Strategy | None = None,
+                     eval_batch: int | None = None, strategy: Strategy | str | None = None,
                      precision: str | None = None, grad_checkpointing: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments``.
 
@@ -38,6 +38,7 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
         >>> hf_training_args(Plan(7, 2, gpus_per_node=16))
         {'per_device_train_batch_size': 7, 'gradient_accumulation_steps': 2}
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     args: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -60,7 +61,7 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
     return args
 
 
-def hf_fsdp(strategy: Strategy) -> dict[str, Any]:
+def hf_fsdp(strategy: Strategy | str) -> dict[str, Any]:
     """``fsdp`` and ``fsdp_config`` as the installed transformers reads them: ``fsdp=True`` with the
     sharding in ``fsdp_config`` (current releases, which deprecate ``"full_shard auto_wrap"``), or
     that string for releases that predate it. Units: the probed block class, else by size.
@@ -69,6 +70,7 @@ def hf_fsdp(strategy: Strategy) -> dict[str, Any]:
         >>> hf_fsdp(Strategy("fsdp2", unit="GPT2Block"))["fsdp_config"]["transformer_layer_cls_to_wrap"]
         ['GPT2Block']
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     version = 2 if strategy.name == "fsdp2" else 1
     config: dict[str, Any] = {"version": version}
     if strategy.unit:
@@ -95,7 +97,7 @@ def _legacy_fsdp_form() -> bool:
 
 
 def hf_flags(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None,
-             strategy: Strategy | None = None, **training: Any) -> list[str]:
+             strategy: Strategy | str | None = None, **training: Any) -> list[str]:
     """The same values as ``HfArgumentParser`` command-line flags.
 
     Example:
@@ -103,6 +105,7 @@ def hf_flags(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = 
         >>> hf_flags(Plan(7, 2, gpus_per_node=16))
         ['--per_device_train_batch_size', '7', '--gradient_accumulation_steps', '2']
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     flags: list[str] = []
     for key, value in hf_training_args(plan, deepspeed_config_file, strategy=strategy, **training).items():
         if value is True:  # a switch: HfArgumentParser reads `--fsdp` alone as True

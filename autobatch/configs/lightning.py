@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..strategy import as_strategy
+
 if TYPE_CHECKING:
     from ..planning.plan import Plan
 
@@ -80,6 +82,7 @@ def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | Non
         >>> lightning_settings(Plan(7, 2, gpus_per_node=16))
         {'trainer': {'accumulate_grad_batches': 2, 'devices': 16, 'num_nodes': 1}, 'dataloader': {'batch_size': 7}}
     """
+    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     trainer: dict[str, Any] = {
         "accumulate_grad_batches": plan.grad_accum,
         "devices": plan.gpus_per_node,

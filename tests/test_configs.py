@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from autobatch.configs import (
@@ -30,6 +31,7 @@ from autobatch.configs import (
     write_deepspeed_config,
 )
 from autobatch.configs.files import ConfigFileError
+from autobatch.errors import AutobatchError
 from autobatch.planning.plan import Plan
 from autobatch.planning.solver import solve
 from tests.deepspeed_parse import deepspeed_parse
@@ -338,6 +340,18 @@ def test_every_strategy_is_the_lightning_strategy_that_trains_as_probed(name, of
         need("deepspeed")
     built = setting.build() if isinstance(setting, LightningStrategy) else StrategyRegistry.get(setting)
     assert type(built).__name__ == kind
+    if name == "fsdp1":  # with no block the probe wrapped by size; with one, that block is Lightning's unit
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = torch.nn.Linear(4, 4)
+
+        blocked = lightning_settings(plan, strategy=parse_strategy(name, unit="Block"))["trainer"]["strategy"]
+        assert repr(blocked) == "FSDPStrategy(auto_wrap_policy={Block})"
+        policy = blocked.build(torch.nn.Sequential(Block(), Block())).kwargs["auto_wrap_policy"]
+        assert policy._module_classes == {Block}
+        with pytest.raises(AutobatchError, match="names the module classes {Block}"):
+            blocked.build(torch.nn.Linear(2, 2))
     if stage is not None:
         zero = built.config["zero_optimization"]
         assert zero["stage"] == stage
@@ -349,5 +363,17 @@ def test_every_strategy_is_the_lightning_strategy_that_trains_as_probed(name, of
                                     strategy=built, logger=False, enable_checkpointing=False,
                                     enable_progress_bar=False, enable_model_summary=False)
         assert repr(setting) == "ModelParallelStrategy(data_parallel_size=16, tensor_parallel_size=1)"
+        told = {dtype: lightning_settings(plan, strategy=parse_strategy(name, offload, unit="GPT2Block"),
+                                          precision=dtype) for dtype in ("bf16", "fp16", None)}
+        assert told[None]["configure_model"] == ("fully_shard(each GPT2Block, then the module, "
+                                                 "mesh=self.device_mesh['data_parallel'])")
+        assert told["bf16"]["trainer"]["precision"] == "bf16-mixed" and "mp_policy=MixedPrecisionPolicy(param_dtype=" \
+            "torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)" in told["bf16"]["configure_model"]
+        # ModelParallelStrategy refuses "16-mixed" (its own check): none is written, the autocast is said instead
+        assert "precision" not in told["fp16"]["trainer"] and "torch.autocast('cuda', torch.float16)" in \
+            told["fp16"]["configure_model"]
+        with pytest.raises(ValueError, match="16-mixed"):
+            need("lightning").Trainer(accelerator="cpu", devices=2, strategy=setting.build(), precision="16-mixed",
+                                      logger=False)
         sizes = dict(setting.kwargs)
         assert sizes["data_parallel_size"] * sizes["tensor_parallel_size"] == trainer.world_size == plan.num_processes

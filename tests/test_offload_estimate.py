@@ -210,4 +210,5 @@ def test_estimate_fsdp2_offload_from_the_command_line_and_the_configs_that_train
     text = runner.invoke(app, [*args, "--offload", "params"]).stdout
     assert "fsdp2+offload-params" in text
     assert "strategy=ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)), DataLoader(batch_size=8); " \
-           "configure_model's fully_shard takes offload_policy=CPUOffloadPolicy()" in text
+           "configure_model: fully_shard(each GPT2Block, then the module, mesh=self.device_mesh['data_parallel'], " \
+           "offload_policy=CPUOffloadPolicy())" in text

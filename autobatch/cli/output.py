@@ -42,8 +42,7 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
     lines = [
         f"HF TrainingArguments: {shlex.join(flags)}",
         f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})"
-        + ("; configure_model's fully_shard takes offload_policy=CPUOffloadPolicy()"
-           if strategy is not None and strategy.is_fsdp and strategy.offload else ""),
+        + (f"; configure_model: {lightning['configure_model']}" if "configure_model" in lightning else ""),
         f"torchrun: {torchrun_command(plan, script)}",
     ]
     if accelerate is not None:

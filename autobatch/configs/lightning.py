@@ -18,11 +18,20 @@ __all__ = ["LightningStrategy", "lightning_settings"]
 
 
 # The Trainer's strategy for each of autobatch's, by Lightning's registry name where one trains as probed.
-# Lightning's "fsdp" is FSDP1; FSDP2 (``fully_shard``) is its ModelParallelStrategy, and ZeRO-3 with only
-# its optimizer offloaded has no name ("deepspeed_stage_3_offload" offloads the parameters too).
-_STRATEGY = {"ddp": "ddp", "fsdp1": "fsdp", "zero1": "deepspeed_stage_1", "zero2": "deepspeed_stage_2",
+# Lightning's "fsdp" wraps the whole model as one unit (FSDP1, no wrap policy): FSDPStrategy with the probed
+# block as its unit is written instead. FSDP2 (``fully_shard``) is its ModelParallelStrategy, and ZeRO-3 with
+# only its optimizer offloaded has no name ("deepspeed_stage_3_offload" offloads the parameters too).
+_STRATEGY = {"ddp": "ddp", "zero1": "deepspeed_stage_1", "zero2": "deepspeed_stage_2",
              "zero3": "deepspeed_stage_3", ("zero2", "optimizer"): "deepspeed_stage_2_offload",
              ("zero3", "params"): "deepspeed_stage_3_offload"}
+
+
+class Units(tuple):  # type: ignore[type-arg]
+    """FSDP's units as the names of their module classes: written as the set of classes Lightning's
+    ``auto_wrap_policy`` takes, resolved against the model by :meth:`LightningStrategy.build`."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(self) + "}"
 
 
 @dataclass(frozen=True)
@@ -30,14 +39,16 @@ class LightningStrategy:
     """A Lightning strategy that has no registry name, as the code that makes it: its repr is that code,
     :meth:`build` makes it (needs ``autobatch[lightning]``).
 
-    FSDP2 is ``ModelParallelStrategy`` with every rank data parallel: sizes left at ``"auto"`` would make
-    every GPU of a node tensor parallel. The LightningModule's ``configure_model`` then applies
-    ``fully_shard`` over ``self.device_mesh["data_parallel"]``, with ``MixedPrecisionPolicy`` of the run's
-    dtype under bf16/fp16, as the batch was probed.
+    FSDP1 is ``FSDPStrategy`` with the probed block as its unit (Lightning's ``"fsdp"`` alone wraps
+    the whole model as one). FSDP2 is ``ModelParallelStrategy`` with every rank data parallel: sizes
+    left at ``"auto"`` would make every GPU of a node tensor parallel; your ``configure_model`` then
+    applies ``fully_shard`` as :func:`lightning_settings`'s ``"configure_model"`` says.
 
     Example:
         >>> LightningStrategy("ModelParallelStrategy", (("data_parallel_size", 16), ("tensor_parallel_size", 1)))
         ModelParallelStrategy(data_parallel_size=16, tensor_parallel_size=1)
+        >>> LightningStrategy("FSDPStrategy", (("auto_wrap_policy", Units(["GPT2Block"])),))
+        FSDPStrategy(auto_wrap_policy={GPT2Block})
     """
 
     name: str
@@ -46,8 +57,9 @@ class LightningStrategy:
     def __repr__(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.kwargs)})"
 
-    def build(self) -> Any:
-        """The ``lightning.pytorch.strategies`` object to pass as ``Trainer(strategy=...)``."""
+    def build(self, model: Any = None) -> Any:
+        """The ``lightning.pytorch.strategies`` object to pass as ``Trainer(strategy=...)``; a wrap
+        policy's classes are looked up in ``model``."""
         try:
             from lightning.pytorch import strategies
         except ImportError:
@@ -55,16 +67,30 @@ class LightningStrategy:
 
             raise MissingDependencyError(f"Lightning's {self.name} needs lightning, which is not installed; "
                                          "pip install 'autobatch[lightning]'") from None
-        return getattr(strategies, self.name)(**dict(self.kwargs))
+        kwargs = dict(self.kwargs)
+        for key, value in kwargs.items():
+            if isinstance(value, Units):
+                classes = {type(m) for m in (model.modules() if model is not None else ()) if type(m).__name__ in value}
+                if len(classes) < len(value):
+                    from ..errors import AutobatchError
+
+                    raise AutobatchError(f"{key} names the module classes {value!r}, which build(model) looks up in "
+                                         "the model; pass the model that has them")
+                kwargs[key] = classes
+        return getattr(strategies, self.name)(**kwargs)
 
 
 _PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true", "fp16-true": "16-true"}
+_TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
 def _strategy(plan: Plan, strategy: Any) -> str | LightningStrategy:
     if strategy.name == "fsdp2":
         return LightningStrategy("ModelParallelStrategy", (("data_parallel_size", plan.world_size),
                                                            ("tensor_parallel_size", plan.model_parallel)))
+    if strategy.name == "fsdp1":  # without a block the probe wrapped by size, which a small model's one unit is
+        return LightningStrategy("FSDPStrategy", (("auto_wrap_policy", Units([strategy.unit])),)) if strategy.unit \
+            else "fsdp"
     if strategy.offload is None:
         return _STRATEGY[strategy.name]
     if (strategy.name, strategy.offload) in _STRATEGY:
@@ -73,9 +99,26 @@ def _strategy(plan: Plan, strategy: Any) -> str | LightningStrategy:
                                                    ("offload_parameters", strategy.offload == "params")))
 
 
-def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | None = None) -> dict[str, dict[str, Any]]:
+def _configure_model(strategy: Any, precision: str | None) -> str:
+    """What FSDP2's ``configure_model`` does under ModelParallelStrategy to train as probed."""
+    policies = []
+    if precision in _TORCH_DTYPE:
+        dtype = _TORCH_DTYPE[precision]
+        policies.append(f"mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={dtype}, output_dtype={dtype})")
+    if strategy.offload:
+        policies.append("offload_policy=CPUOffloadPolicy()")
+    unit = f"each {strategy.unit}" if strategy.unit else "each block"
+    said = (f"fully_shard({unit}, then the module, mesh=self.device_mesh['data_parallel']"
+            + "".join(f", {p}" for p in policies) + ")")
+    if precision == "fp16":  # ModelParallelStrategy refuses "16-mixed": the step's autocast is the module's own
+        said += "; ModelParallelStrategy takes no precision='16-mixed': run training_step under torch.autocast('cuda', torch.float16)"
+    return said
+
+
+def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | None = None) -> dict[str, Any]:
     """``{"trainer": Trainer kwargs, "dataloader": DataLoader kwargs}`` for the plan, with the strategy
-    and precision the micro batch was probed under (the batch fits only with them).
+    and precision the micro batch was probed under (the batch fits only with them). Under FSDP2, a
+    ``"configure_model"`` line too: what the LightningModule's ``configure_model`` applies.
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -90,6 +133,9 @@ def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | Non
     }
     if strategy is not None:
         trainer["strategy"] = _strategy(plan, strategy)
-    if precision in _PRECISION:
+    if precision in _PRECISION and not (strategy is not None and strategy.name == "fsdp2" and precision == "fp16"):
         trainer["precision"] = _PRECISION[precision]
-    return {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch}}
+    settings: dict[str, Any] = {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch}}
+    if strategy is not None and strategy.name == "fsdp2":
+        settings["configure_model"] = _configure_model(strategy, precision)
+    return settings

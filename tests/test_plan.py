@@ -121,6 +121,7 @@ def test_writer_methods_delegate_to_the_config_modules():
         "autobatch.configs.hf",
         "autobatch.configs.lightning",
         "autobatch.configs.launch",
+        "autobatch.strategy",
     ],
 )
 def test_docstring_examples_run(module):

@@ -30,6 +30,8 @@ STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
 # fsdp_min_num_params default. The probe wraps with it and the configs say it.
 SIZE_BASED_MIN_PARAMS = 10**8
 OFFLOADS = ("none", "optimizer", "params")
+# The strategies each offload applies to, in words (for the errors that name them).
+_TAKES = {"optimizer": "zero1, zero2 or zero3", "params": "zero3 or fsdp2"}
 _SHARDED = {"ddp": "nothing", "fsdp2": "parameters, gradients, optimizer state",
             "fsdp1": "parameters, gradients, optimizer state", "zero1": "optimizer state",
             "zero2": "gradients, optimizer state", "zero3": "parameters, gradients, optimizer state"}
@@ -71,11 +73,15 @@ class Strategy:
                 raise AutobatchError(
                     f"FSDP2's CPU offload (CPUOffloadPolicy) moves the parameters with their gradients and the "
                     f"optimizer step to the host, but got offload={self.offload!r}; use offload='params'")
-            if self.zero_stage is None and self.name != "fsdp2":
+            if self.name == "fsdp1":
                 raise AutobatchError(
-                    f"offload is a DeepSpeed ZeRO and FSDP2 setting, but the strategy is {self.name}; "
-                    "use zero1, zero2, zero3 or fsdp2 with --offload, or drop --offload")
-            if self.offload == "params" and self.zero_stage not in (3, None):
+                    f"FSDP1's CPU offload is not traced here, but got offload={self.offload!r} with fsdp1; use fsdp2 "
+                    "with offload='params' (FSDP2's CPUOffloadPolicy), or drop --offload")
+            if self.name == "ddp":
+                raise AutobatchError(
+                    f"offload moves sharded state to the host, but ddp shards nothing; use {_TAKES[self.offload]} "
+                    "with --offload, or drop --offload")
+            if self.offload == "params" and self.zero_stage != 3 and self.name != "fsdp2":
                 raise AutobatchError(
                     f"offload='params' needs ZeRO-3 (only stage 3 partitions parameters), but got {self.name}; "
                     "use zero3, or offload='optimizer'")
@@ -135,6 +141,11 @@ def parse_strategy(name: str | Strategy, offload: str | None = None, unit: str |
     return Strategy(key, offload=offload, unit=unit)
 
 
+def _takes(name: str, offload: str) -> bool:
+    """Whether ``name`` takes ``offload`` (an unknown offload: whether it takes any, so its error is the strategy's)."""
+    return name in _TAKES.get(offload, "zero1, zero2 or zero3 or fsdp2").replace(",", " ").split()
+
+
 def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
     """``None``, or the :class:`Strategy` a name stands for (a Strategy as it is): what every config
     writer takes, so ``deepspeed_config(plan, strategy="zero3")`` reads as ``find(strategy="zero3")`` does.
@@ -149,8 +160,8 @@ def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
 def parse_strategies(text: str, offload: str | None = None, unit: str | None = None) -> list[Strategy]:
     """Comma-separated strategies (``"ddp,fsdp2,zero3"``), each once, in order.
 
-    ``offload`` applies to the ZeRO strategies of the list, and ``"params"`` to ``fsdp2`` too; ``unit``
-    to the FSDP ones.
+    ``offload`` applies to each strategy of the list that takes it (``"optimizer"``: ZeRO;
+    ``"params"``: ZeRO-3 and FSDP2), the others are compared without it; ``unit`` to the FSDP ones.
 
     Example:
         >>> [s.name for s in parse_strategies("ddp, fsdp2,zero3")]
@@ -162,15 +173,14 @@ def parse_strategies(text: str, offload: str | None = None, unit: str | None = N
     found: list[Strategy] = []
     for part in names:
         base = parse_strategy(part)
-        takes = base.is_deepspeed or (base.name == "fsdp2" and offload == "params")
+        takes = offload not in (None, "none") and _takes(base.name, offload)
         strategy = Strategy(base.name, offload=offload if takes else None, unit=unit if base.is_fsdp else None)
         if strategy not in found:
             found.append(strategy)
     if offload not in (None, "none") and not any(s.offload for s in found):
         if len(found) > 1:
-            raise AutobatchError(f"offload is a DeepSpeed ZeRO and FSDP2 setting, but none of "
-                                 f"{', '.join(s.name for s in found)} offloads it; add zero1, zero2 or zero3 "
-                                 "(or fsdp2, with offload params) to the strategies, or drop offload")
+            raise AutobatchError(f"offload={offload!r} applies to none of {', '.join(s.name for s in found)}; add "
+                                 f"{_TAKES.get(offload, 'zero3')} to the strategies, or drop offload")
         parse_strategy(found[0].name, offload=offload)  # raises the one-line error
     if unit is not None and not any(s.is_fsdp for s in found):
         parse_strategy(found[0].name, unit=unit)  # likewise: a unit that no strategy of the list would wrap

@@ -28,8 +28,10 @@ PLAN = Plan(6, 2, gpus_per_node=4)
 @pytest.mark.parametrize("bad, match", [
     (lambda: parse_strategy("zero4"), "strategy must be one of ddp, fsdp2, fsdp1, zero1, zero2, zero3, but got 'zero4'"),
     (lambda: parse_strategy("fsdp2", offload="optimizer"), "use offload='params'$"),
-    (lambda: parse_strategy("ddp", offload="params"), "offload is a DeepSpeed ZeRO and FSDP2 setting, but the strategy "
-                                                      "is ddp; use zero1, zero2, zero3 or fsdp2 with --offload"),
+    (lambda: parse_strategy("ddp", offload="params"), "ddp shards nothing; use zero3 or fsdp2 with --offload"),
+    (lambda: parse_strategy("ddp", offload="optimizer"), "ddp shards nothing; use zero1, zero2 or zero3 with --offload"),
+    (lambda: parse_strategy("fsdp1", offload="params"), "FSDP1's CPU offload is not traced here, .* use fsdp2 with "
+                                                        "offload='params'"),
     (lambda: parse_strategy("zero2", offload="params"), "offload='params' needs ZeRO-3"),
     (lambda: parse_strategy("zero3", offload="disk"), "offload must be 'optimizer' or 'params'"),
     (lambda: parse_strategy("zero3", unit="GPT2Block"), "the FSDP unit names the block FSDP wraps"),
@@ -45,6 +47,13 @@ def test_strategy_lists_and_spellings():
         "ddp", "zero3+offload-optimizer", "fsdp2"]  # FSDP2 offloads its parameters or nothing
     assert [s.label for s in parse_strategies("ddp,ZeRO-3,fsdp", offload="params")] == [
         "ddp", "zero3+offload-params", "fsdp2+offload-params"]
+    # a list: each strategy that takes the offload takes it, the others are compared without it
+    assert [s.label for s in parse_strategies("zero2,fsdp2,fsdp1", offload="params")] == [
+        "zero2", "fsdp2+offload-params", "fsdp1"]
+    assert [s.label for s in parse_strategies("zero1,zero3", offload="params")] == ["zero1", "zero3+offload-params"]
+    with pytest.raises(AutobatchError, match=r"^offload='params' applies to none of ddp, fsdp1, zero2; add zero3 or "
+                                             r"fsdp2 to the strategies, or drop offload$"):
+        parse_strategies("ddp,fsdp1,zero2", offload="params")
     assert (Strategy("zero2").shards_gradients, Strategy("zero2").shards_parameters) == (True, False)
 
 

@@ -112,6 +112,14 @@ def test_find_names_the_field_an_options_flag_spelling_meant_before_anything_run
             autobatch.find(mlp(), lambda b: 1 / 0, target=64, device="cpu", memory="8MiB", **{spelt: True})
         value = "False" if spelt.startswith("no_") else "True"
         assert str(caught.value) == f"find() takes no option {spelt!r}; use {name}={value}"
+    for peer, field in [("n_gpus", "gpus_per_node"), ("devices", "gpus_per_node"), ("world_size", "gpus_per_node"),
+                        ("num_nodes", "nodes"), ("precision", "dtype"), ("max_micro_batch", "max_micro"),
+                        ("gradient_checkpointing", "grad_checkpointing"), ("global_batch_size", "target")]:
+        with pytest.raises(RequestError, match=f"'{peer}'; use {field}=2$"):  # the other tools' names
+            autobatch.find(mlp(), batch, target=64, **{peer: 2})
+    with pytest.raises(RequestError, match="'batch_size'; use target=8 for the global batch, or micro_batch=8 for a "
+                                           "fixed batch per GPU$"):
+        autobatch.find(mlp(), batch, batch_size=8)
     with pytest.raises(RequestError, match="'stratgy'; use strategy='zero3'$"):
         autobatch.find(mlp(), batch, target=64, stratgy="zero3")
     with pytest.raises(RequestError, match="'zzz'; use one of the Request fields: accelerate, .*, workspace$"):

@@ -227,6 +227,19 @@ def _launched(request: Request) -> Report:
 _RENAMED = {"max_batch": "max_micro", "use_trace_prior": "trace_prior", "use_cache": "cache"}
 
 
+# The other tools' names for a Request field (Lightning's devices, accelerate's num_processes, the HF
+# Trainer's gradient_checkpointing, torchrun's nproc_per_node...): what a user types before reading ours.
+_PEERS = {**dict.fromkeys(("n_gpus", "num_gpus", "devices", "world_size", "nproc_per_node", "num_processes"), "gpus_per_node"),
+          **dict.fromkeys(("num_nodes", "nnodes"), "nodes"),
+          **dict.fromkeys(("precision", "mixed_precision", "amp"), "dtype"),
+          **dict.fromkeys(("gradient_checkpointing", "activation_checkpointing"), "grad_checkpointing"),
+          **dict.fromkeys(("max_micro_batch", "max_batch_size", "max_micro_batch_size", "max_per_device"),
+                          "max_micro"),
+          **dict.fromkeys(("global_batch", "global_batch_size", "train_batch_size"), "target"),
+          **dict.fromkeys(("micro_batch_size", "per_device_train_batch_size"), "micro_batch"),
+          **dict.fromkeys(("budget", "memory_limit"), "memory")}
+
+
 def _known(options: dict[str, Any]) -> None:
     """One line for an option ``find`` does not take, naming the keyword meant: a flag's own spelling
     (``gpus`` for ``--gpus``, ``no_cache`` for ``--no-cache``) finds the field it sets."""
@@ -238,9 +251,12 @@ def _known(options: dict[str, Any]) -> None:
         if key in fields or key == "on_trial":
             continue
         word = key.removeprefix("no_")
-        meant = [f for f in fields if f.startswith(word)] or difflib.get_close_matches(word, fields, n=1, cutoff=0.6) \
-            or [f for f in fields if word.startswith(f)]
+        meant = ([_PEERS[word]] if word in _PEERS else [f for f in fields if f.startswith(word)]) \
+            or difflib.get_close_matches(word, fields, n=1, cutoff=0.6) or [f for f in fields if word.startswith(f)]
         value = not options[key] if key.startswith("no_") and isinstance(options[key], bool) else options[key]
+        if key == "batch_size":  # a DataLoader's is per GPU, a config's often global: both are asked apart
+            raise RequestError([f"find() takes no option 'batch_size'; use target={value!r} for the global batch, "
+                                f"or micro_batch={value!r} for a fixed batch per GPU"])
         fix = (f"use {meant[0]}={value!r}" if meant
                else f"use one of the Request fields: {', '.join(fields)}")
         raise RequestError([f"find() takes no option {key!r}; {fix}"])

@@ -27,9 +27,12 @@ def test_a_row_led_by_the_one_before_it_tries_the_boundary_next_and_answers_as_a
     assert led["fsdp2"].max_batch == alone.max_batch == 58
     assert [t.batch for t in led["fsdp2"].trials] == [1, 58, 59]  # a trial fewer: the slope came with the lead
     assert [t.batch for t in led["fsdp1"].trials] == [1, 17, 58, 59]  # DDP does not lead FSDP
-    assert led["fsdp2"].extra["trace_prior"]["reason"] == (
-        f"{IS_THE_TRACE}; the fsdp1 row's trials led the search (the same activations, another state)")
-    assert led["fsdp2"].extra["trace_prior"]["led"] is False  # not the trace: a row's own traced trials
+    said = led["fsdp2"].extra["trace_prior"]
+    # not the trace as a prior (an estimate's trials are traces): another row's traced trials, named
+    assert said["led"] is False and said["reason"] == IS_THE_TRACE and said["led_by"] == "fsdp1"
+    assert led["fsdp2"].trace_line() == ("led by the fsdp1 row's traced trials (the same activations, another "
+                                         "state); the answer rests on this row's own")
+    assert "led_by" not in led["ddp"].extra["trace_prior"] and "led_by" not in led["fsdp1"].extra["trace_prior"]
     assert led["ddp"].extra["trace_prior"]["reason"] == led["fsdp1"].extra["trace_prior"]["reason"] == IS_THE_TRACE
 
 

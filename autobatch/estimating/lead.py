@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .estimate import IS_THE_TRACE
+
 __all__ = ["RowLead", "leads"]
 
 
@@ -49,8 +51,8 @@ class RowLead:
         for i in range(1, len(self.peaks)):  # never decreasing, as a prior must be
             self.peaks[i] = max(self.peaks[i], self.peaks[i - 1])
         self.shift: float | None = None
-        self.reason = (f"an estimate's trials are the trace itself; the {source} row's trials led the search "
-                       "(the same activations, another state)")
+        # Not the trace as a prior (an estimate's trials are traces already): the record says which row led.
+        self.reason, self.led_by = IS_THE_TRACE, source
 
     @property
     def usable(self) -> bool:

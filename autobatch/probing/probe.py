@@ -97,7 +97,8 @@ def prior_report(prior: Callable[[int], float] | NoTrace | None, absent: str = N
         reason = "the search ended before it asked the trace"
     else:
         reason = "a prior of the caller's own led the search, not the trace"
-    return {"trace_prior": not_led(reason)}
+    led_by = getattr(prior, "led_by", None)  # another row's traced trials (an estimate's rows lead one another)
+    return {"trace_prior": {**not_led(reason), **({"led_by": led_by} if isinstance(led_by, str) else {})}}
 
 
 def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exception:

@@ -114,6 +114,9 @@ class BatchResult:
             return f"led by the fake-tensor trace{when}; the answer rests on the trials"
         if said.get("failure"):
             return f"the trace stopped ({said['failure']}; {cost}): the trials searched on alone"
+        if said.get("led_by"):
+            return (f"led by the {said['led_by']} row's traced trials (the same activations, another state); "
+                    "the answer rests on this row's own")
         return f"the trials alone searched: {said['reason']}"
 
     def memory_line(self) -> str | None:

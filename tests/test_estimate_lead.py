@@ -38,3 +38,17 @@ def test_a_row_led_by_the_one_before_it_tries_the_boundary_next_and_answers_as_a
 
 def test_the_examples_run():
     assert doctest.testmod(lead).failed == 0
+
+
+def test_each_row_of_an_estimates_json_says_it_is_estimated():
+    import json
+
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    res = CliRunner().invoke(app, ["estimate", "--model", "tiny-mlp", "--gpu-memory", "600MiB", "--gpus", "4",
+                                   "--strategy", "ddp,fsdp2", "--max-micro", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["estimated"] is True and [row["estimated"] for row in out["strategies"]] == [True, True]

@@ -208,6 +208,7 @@ def test_estimate_fsdp2_offload_from_the_command_line_and_the_configs_that_train
     assert json.loads((tmp_path / "hf.json").read_text())["fsdp_config"]["cpu_offload"] is True
     text = runner.invoke(app, [*args, "--offload", "params"]).stdout
     assert "fsdp2+offload-params" in text
+    assert "against its usable 100 MiB, 600 MiB less its 500 MiB CUDA context" in text  # where the 500 MiB went
     assert "strategy=ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)), DataLoader(batch_size=8); " \
            "configure_model: fully_shard(each GPT2Block, then the module, mesh=self.device_mesh['data_parallel'], " \
            "offload_policy=CPUOffloadPolicy())" in text

@@ -118,7 +118,8 @@ class Report:
         estimated = {"estimated": True, "gpu": self.gpu.to_dict()} if self.estimated else {}
         if self.request.strategies is not None:
             if len(self.rows) > 1:
-                return {**estimated, "strategies": [row.to_dict() for row in self.rows]}
+                # each row says what the answer says: traced for a named GPU, or probed
+                return {**estimated, "strategies": [{**row.to_dict(), "estimated": self.estimated} for row in self.rows]}
             return {**self.rows[0].to_dict(), **estimated, **tail}
         finding = self.rows[0]
         if not self.estimated:

@@ -109,7 +109,13 @@ def _estimated_for(report: Any) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
     tail = f"; ×{report.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
-    return f"estimated for {spec.name}, as rank 0 of {world} against its usable {format_bytes(spec.usable_bytes)} (each strategy's step traced on fake tensors; no GPU used{tail})"
+    from ..units import parse_bytes
+
+    context = spec.context_bytes if request.cuda_context is None else parse_bytes(request.cuda_context)
+    usable = (f"{format_bytes(spec.total_bytes - context)}, {format_bytes(spec.total_bytes)} less its "
+              f"{format_bytes(context)} CUDA context")
+    return (f"estimated for {spec.name}, as rank 0 of {world} against its usable {usable} (each strategy's step "
+            f"traced on fake tensors; no GPU used{tail})")
 
 
 def _print_rows(report: Any) -> None:

@@ -120,6 +120,11 @@ def test_find_names_the_field_an_options_flag_spelling_meant_before_anything_run
     with pytest.raises(RequestError, match="'batch_size'; use target=8 for the global batch, or micro_batch=8 for a "
                                            "fixed batch per GPU$"):
         autobatch.find(mlp(), batch, batch_size=8)
+    if not torch.cuda.is_available():  # find probes; a GPU named to estimate for is refused, saying there is none
+        with pytest.raises(RequestError, match=r"find probes a CUDA GPU \(there is none here\) with real steps; drop "
+                                               r"gpu, or estimate \(`autobatch estimate`; from Python, "
+                                               r"Request\(\.\.\., estimate=True\)\)$"):
+            autobatch.find(mlp(), batch, target=64, gpu="h100-80gb")
     with pytest.raises(RequestError, match="'stratgy'; use strategy='zero3'$"):
         autobatch.find(mlp(), batch, target=64, stratgy="zero3")
     with pytest.raises(RequestError, match="'zzz'; use one of the Request fields: accelerate, .*, workspace$"):

@@ -300,9 +300,10 @@ class Request:
         if self.model is not None and self.mode == "probe" and named is not None:
             where = (f"{option('device')} {self.device}" if self.device is not None
                      else f"the CPU against {option('memory')} {self.memory}" if self.memory is not None
-                     else "the CUDA GPU here")
+                     else "the CUDA GPU here" if torch.cuda.is_available() else "a CUDA GPU (there is none here)")
             problems.append(f"{option(named)} names a GPU to estimate for, but find probes {where} with real steps; "
-                            f"drop {option(named)}, or run `autobatch estimate` for an estimate")
+                            f"drop {option(named)}, or estimate (`autobatch estimate`; from Python, "
+                            "Request(..., estimate=True))")
         if self.estimate and (self.device is not None or self.memory is not None):
             problems.append(f"an estimate traces on fake tensors for a named GPU, so {option('device')} and "
                             f"{option('memory')} do not apply; drop them, or probe with `autobatch find`")

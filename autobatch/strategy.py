@@ -6,7 +6,7 @@ unit (a transformer block) at a time. DeepSpeed's ZeRO stages shard progressivel
 the optimizer state, ``zero2`` also the gradients, ``zero3`` also the parameters; ZeRO can
 offload the optimizer state (``offload="optimizer"``) or the parameters too (``"params"``) to
 host memory. FSDP2's ``CPUOffloadPolicy`` offloads the parameters with their gradients and the
-optimizer step (``offload="params"``).
+optimizer step (``offload="params"``), as FSDP1's ``CPUOffload(offload_params=True)`` does.
 
 A :class:`Strategy` is what the probe wraps the model with
 (:mod:`autobatch.distributed.sharding`), what the config writers put into DeepSpeed, accelerate
@@ -31,7 +31,7 @@ STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
 SIZE_BASED_MIN_PARAMS = 10**8
 OFFLOADS = ("none", "optimizer", "params")
 # The strategies each offload applies to, in words (for the errors that name them).
-_TAKES = {"optimizer": "zero1, zero2 or zero3", "params": "zero3 or fsdp2"}
+_TAKES = {"optimizer": "zero1, zero2 or zero3", "params": "zero3, fsdp2 or fsdp1"}
 _SHARDED = {"ddp": "nothing", "fsdp2": "parameters, gradients, optimizer state",
             "fsdp1": "parameters, gradients, optimizer state", "zero1": "optimizer state",
             "zero2": "gradients, optimizer state", "zero3": "parameters, gradients, optimizer state"}
@@ -44,8 +44,8 @@ class Strategy:
     Args:
         name: one of :data:`STRATEGIES`.
         offload: ZeRO: ``"optimizer"`` (optimizer state in host memory) or ``"params"``
-            (parameters too; ZeRO-3 only). FSDP2: ``"params"``, its ``CPUOffloadPolicy`` (the sharded
-            parameters, their gradients and the optimizer step on the host). ``None`` keeps
+            (parameters too; ZeRO-3 only). FSDP: ``"params"``, FSDP2's ``CPUOffloadPolicy`` or FSDP1's
+            ``CPUOffload`` (the sharded parameters, their gradients and the optimizer step on the host). ``None`` keeps
             everything on the device.
         unit: FSDP only: the class name of the module wrapped as one unit; ``None`` takes the
             model's transformer block (``_no_split_modules``) or the items of its largest layer list.
@@ -69,19 +69,16 @@ class Strategy:
             if self.offload not in OFFLOADS[1:]:
                 raise AutobatchError(
                     f"offload must be 'optimizer' or 'params', but got offload={self.offload!r}")
-            if self.name == "fsdp2" and self.offload != "params":
+            if self.is_fsdp and self.offload != "params":
                 raise AutobatchError(
-                    f"FSDP2's CPU offload (CPUOffloadPolicy) moves the parameters with their gradients and the "
-                    f"optimizer step to the host, but got offload={self.offload!r}; use offload='params'")
-            if self.name == "fsdp1":
-                raise AutobatchError(
-                    f"FSDP1's CPU offload is not traced here, but got offload={self.offload!r} with fsdp1; use fsdp2 "
-                    "with offload='params' (FSDP2's CPUOffloadPolicy), or drop --offload")
+                    f"FSDP's CPU offload ({'CPUOffloadPolicy' if self.name == 'fsdp2' else 'CPUOffload'}) moves the "
+                    f"parameters with their gradients and the optimizer step to the host, but got "
+                    f"offload={self.offload!r}; use offload='params'")
             if self.name == "ddp":
                 raise AutobatchError(
                     f"offload moves sharded state to the host, but ddp shards nothing; use {_TAKES[self.offload]} "
                     "with --offload, or drop --offload")
-            if self.offload == "params" and self.zero_stage != 3 and self.name != "fsdp2":
+            if self.offload == "params" and self.zero_stage != 3 and not self.is_fsdp:
                 raise AutobatchError(
                     f"offload='params' needs ZeRO-3 (only stage 3 partitions parameters), but got {self.name}; "
                     "use zero3, or offload='optimizer'")
@@ -143,7 +140,7 @@ def parse_strategy(name: str | Strategy, offload: str | None = None, unit: str |
 
 def _takes(name: str, offload: str) -> bool:
     """Whether ``name`` takes ``offload`` (an unknown offload: whether it takes any, so its error is the strategy's)."""
-    return name in _TAKES.get(offload, "zero1, zero2 or zero3 or fsdp2").replace(",", " ").split()
+    return name in _TAKES.get(offload, "zero1, zero2, zero3, fsdp2 or fsdp1").replace(",", " ").split()
 
 
 def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
@@ -230,7 +227,7 @@ def strategy_from_accelerate(config: Mapping[str, Any], deepspeed: Mapping[str, 
         unit = fsdp.get("fsdp_transformer_layer_cls_to_wrap") if isinstance(fsdp, Mapping) else None
         name = "fsdp2" if str(version) == "2" else "fsdp1"
         offloads = isinstance(fsdp, Mapping) and str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
-        return Strategy(name, offload="params" if offloads and name == "fsdp2" else None,
+        return Strategy(name, offload="params" if offloads else None,
                         unit=unit if isinstance(unit, str) and unit else None)
     if kind == "DEEPSPEED":
         section = config.get("deepspeed_config") or {}

@@ -87,8 +87,8 @@ def test_solve_writes_the_strategy_into_the_configs_deepspeed_reads(tmp_path):
     (("--strategy", "zero4"), "strategy must be one of ddp, fsdp2"),
     (("--offload", "optimizer"), "no --strategy was given"),
     (("--strategy", "ddp,fsdp2", "--deepspeed", "ds.json"), "written for one strategy"),
-    (("--strategy", "fsdp2", "--offload", "optimizer"), "FSDP2's CPU offload (CPUOffloadPolicy) moves the parameters"),
-    (("--strategy", "fsdp1", "--offload", "params"), "FSDP1's CPU offload is not traced here"),
+    (("--strategy", "fsdp2", "--offload", "optimizer"), "FSDP's CPU offload (CPUOffloadPolicy) moves the parameters"),
+    (("--strategy", "fsdp1", "--offload", "optimizer"), "FSDP's CPU offload (CPUOffload) moves the parameters"),
 ])
 def test_bad_strategy_options_fail_before_any_trial(args, match):
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "1MiB", *args)

@@ -352,6 +352,11 @@ def test_every_strategy_is_the_lightning_strategy_that_trains_as_probed(name, of
         assert policy._module_classes == {Block}
         with pytest.raises(AutobatchError, match="names the module classes {Block}"):
             blocked.build(torch.nn.Linear(2, 2))
+        offloaded = lightning_settings(plan, strategy=parse_strategy(name, "params", unit="Block"))["trainer"]["strategy"]
+        assert repr(offloaded) == "FSDPStrategy(auto_wrap_policy={Block}, cpu_offload=True)"
+        assert offloaded.build(torch.nn.Sequential(Block())).cpu_offload.offload_params
+        by_size = lightning_settings(plan, strategy=parse_strategy(name, "params"))["trainer"]["strategy"]
+        assert StrategyRegistry.get(by_size).cpu_offload.offload_params
     if stage is not None:
         zero = built.config["zero_optimization"]
         assert zero["stage"] == stage

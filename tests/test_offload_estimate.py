@@ -106,7 +106,8 @@ def test_a_tensor_made_from_data_lands_on_the_gpu_apart_and_a_scalar_keeps_its_v
     assert backend.peak().allocated == 2 * 3 * 4 + 6 * 4
 
 
-@pytest.mark.parametrize("strategy", [Strategy("zero3", offload="optimizer"), Strategy("fsdp2", offload="params")])
+@pytest.mark.parametrize("strategy", [Strategy("zero3", offload="optimizer"), Strategy("fsdp2", offload="params"),
+                                      Strategy("fsdp1", offload="params")])
 def test_real_cpu_steps_still_refuse_offload_and_name_the_estimate(strategy):
     from autobatch import SimulatedBackend
     from autobatch.distributed.simulated_world import probe_sharded
@@ -148,8 +149,8 @@ def test_offload_on_a_list_without_zero_names_every_strategy_it_was_given():
 # --- FSDP2's CPUOffloadPolicy ----------------------------------------------------------------------
 
 
-def fsdp2_trial(dtype: str, offload: str | None, batch: int = 4):
-    """Rank 0 of W's FSDP2 trial, and the devices of its sharded parameters and optimizer state."""
+def fsdp_trial(name: str, dtype: str, offload: str | None, batch: int = 4):
+    """Rank 0 of W's FSDP trial, and the devices of its sharded parameters and optimizer state."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -157,34 +158,41 @@ def fsdp2_trial(dtype: str, offload: str | None, batch: int = 4):
     work = Workload(model, lambda b: torch.randn(b, 8, H), dtype=dtype)
     backend = fake_backend(work.model, 1 << 40, host_apart=offload is not None)
     with fake_process_group(W):
-        one = OneWrapper(work, work.model, Strategy("fsdp2", offload=offload), backend)
+        one = OneWrapper(work, work.model, Strategy(name, offload=offload), backend)
         try:
             done = one(batch)
-            params = list(one.wrapped.module.parameters())
-            places = ({p.to_local().device for p in params},
+            params = [getattr(p, "to_local", lambda p=p: p)() for p in one.wrapped.module.parameters()]
+            places = ({p.device for p in params},
                       {t.device for s in one.wrapped.optimizer.state.values() for t in s.values() if t.dim() > 0})
         finally:
             one.close()
     return done, places
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fsdp2_offload_keeps_no_shard_gradient_or_state_on_the_gpu_only_what_a_step_gathers(dtype):
-    kept, (params, state) = fsdp2_trial(dtype, None)
-    moved, (moved_params, moved_state) = fsdp2_trial(dtype, "params")
+@pytest.mark.parametrize("name, dtype", [("fsdp2", "fp32"), ("fsdp2", "bf16"), ("fsdp1", "fp32"), ("fsdp1", "bf16")])
+def test_fsdp_offload_keeps_no_shard_gradient_or_state_on_the_gpu_only_what_a_step_gathers(name, dtype):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    kept, (params, state) = fsdp_trial(name, dtype, None)
+    moved, (moved_params, moved_state) = fsdp_trial(name, dtype, "params")
     # on the device: the fp32 shard, its gradient (held between steps) and AdamW's two moments, by hand
     assert kept.breakdown.parameters == 4 * P // W
-    assert 0 <= kept.breakdown.optimizer_state - 8 * P // W < 64  # and the step counts
+    held = 8 + (4 if name == "fsdp1" else 0)  # FSDP1 keeps its flat gradient shard between steps too
+    assert 0 <= kept.breakdown.optimizer_state - held * P // W < 64  # and the step counts
     assert params == state == {torch.device("cpu")}  # one device: the trace's host is not apart
     # offloaded: all three on the host; the device keeps nothing of them between steps
     assert moved.breakdown.parameters == moved.breakdown.gradients == moved.breakdown.optimizer_state == 0
     assert moved_params == moved_state == {torch.device("cpu")}
-    # a step still gathers one unit at a time onto the device, with the same activations; the shard it
-    # copies over to gather and the gradient shard it copies back are the device's for a while (a unit:
-    # one of the two blocks, half the model; a fp32 shard of it 4 * P / 2 / W bytes)
-    held = kept.breakdown.parameters + kept.breakdown.gradients + kept.breakdown.optimizer_state
-    copies = moved.trial.peak_bytes - (kept.trial.peak_bytes - held)
-    assert 0 < copies <= 2 * (4 * P // 2 // W)
+    # a step still gathers one unit at a time onto the device, with the same activations; the shards it
+    # copies over to gather and the gradient shards it copies back are the device's for a while (a unit:
+    # one of the two blocks; a fp32 shard of it 4 * P / 2 / W bytes): FSDP2 holds at most two such
+    # copies at once, FSDP1 each unit's shard and gradient shard until backward ends (four)
+    state_kept = kept.breakdown.parameters + kept.breakdown.gradients + kept.breakdown.optimizer_state
+    copies = moved.trial.peak_bytes - (kept.trial.peak_bytes - state_kept)
+    assert 0 < copies <= (2 if name == "fsdp2" else 4) * (4 * P // 2 // W)
+    # what FSDP1's offload needed on fake tensors went with its wrapper
+    assert "data" not in vars(FakeTensor) and "synchronize" not in vars(torch.cpu.Stream)
+    assert torch.Tensor.pin_memory is torch._C.TensorBase.pin_memory
 
 
 def test_estimate_fsdp2_offload_from_the_command_line_and_the_configs_that_train_so(tmp_path):

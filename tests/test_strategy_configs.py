@@ -28,10 +28,11 @@ PLAN = Plan(6, 2, gpus_per_node=4)
 @pytest.mark.parametrize("bad, match", [
     (lambda: parse_strategy("zero4"), "strategy must be one of ddp, fsdp2, fsdp1, zero1, zero2, zero3, but got 'zero4'"),
     (lambda: parse_strategy("fsdp2", offload="optimizer"), "use offload='params'$"),
-    (lambda: parse_strategy("ddp", offload="params"), "ddp shards nothing; use zero3 or fsdp2 with --offload"),
+    (lambda: parse_strategy("ddp", offload="params"), "ddp shards nothing; use zero3, fsdp2 or fsdp1 with --offload"),
     (lambda: parse_strategy("ddp", offload="optimizer"), "ddp shards nothing; use zero1, zero2 or zero3 with --offload"),
-    (lambda: parse_strategy("fsdp1", offload="params"), "FSDP1's CPU offload is not traced here, .* use fsdp2 with "
-                                                        "offload='params'"),
+    (lambda: parse_strategy("fsdp1", offload="optimizer"), "FSDP's CPU offload .CPUOffload. moves the parameters with "
+                                                           "their gradients and the optimizer step to the host, but got "
+                                                           "offload='optimizer'; use offload='params'"),
     (lambda: parse_strategy("zero2", offload="params"), "offload='params' needs ZeRO-3"),
     (lambda: parse_strategy("zero3", offload="disk"), "offload must be 'optimizer' or 'params'"),
     (lambda: parse_strategy("zero3", unit="GPT2Block"), "the FSDP unit names the block FSDP wraps"),
@@ -49,11 +50,11 @@ def test_strategy_lists_and_spellings():
         "ddp", "zero3+offload-params", "fsdp2+offload-params"]
     # a list: each strategy that takes the offload takes it, the others are compared without it
     assert [s.label for s in parse_strategies("zero2,fsdp2,fsdp1", offload="params")] == [
-        "zero2", "fsdp2+offload-params", "fsdp1"]
+        "zero2", "fsdp2+offload-params", "fsdp1+offload-params"]
     assert [s.label for s in parse_strategies("zero1,zero3", offload="params")] == ["zero1", "zero3+offload-params"]
-    with pytest.raises(AutobatchError, match=r"^offload='params' applies to none of ddp, fsdp1, zero2; add zero3 or "
-                                             r"fsdp2 to the strategies, or drop offload$"):
-        parse_strategies("ddp,fsdp1,zero2", offload="params")
+    with pytest.raises(AutobatchError, match=r"^offload='params' applies to none of ddp, zero2; add zero3, fsdp2 or "
+                                             r"fsdp1 to the strategies, or drop offload$"):
+        parse_strategies("ddp,zero2", offload="params")
     assert (Strategy("zero2").shards_gradients, Strategy("zero2").shards_parameters) == (True, False)
 
 
@@ -74,7 +75,7 @@ def test_deepspeed_file_carries_the_stage_and_deepspeeds_parser_reads_it(strateg
     assert strategy_from_deepspeed(written) == chosen
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2+params", "fsdp1", "zero2", "zero3+optimizer"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2+params", "fsdp1", "fsdp1+params", "zero2", "zero3+optimizer"])
 def test_accelerate_loader_reads_the_strategy(strategy, tmp_path):
     config_args = need("accelerate.commands.config.config_args")
     name, _, offload = strategy.partition("+")
@@ -91,11 +92,15 @@ def test_accelerate_loader_reads_the_strategy(strategy, tmp_path):
             from accelerate.utils import FullyShardedDataParallelPlugin
             from torch.distributed.fsdp import CPUOffloadPolicy
 
-            env = {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true", "FSDP_VERSION": "2"}
+            from torch.distributed.fsdp import CPUOffload
+
+            version = 2 if name == "fsdp2" else 1
+            env = {"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true", "FSDP_VERSION": str(version)}
             with pytest.MonkeyPatch.context() as patch:
                 for key, value in env.items():
                     patch.setenv(key, value)
-                assert isinstance(FullyShardedDataParallelPlugin().cpu_offload, CPUOffloadPolicy)
+                offload = FullyShardedDataParallelPlugin().cpu_offload
+                assert isinstance(offload, CPUOffloadPolicy) if version == 2 else offload.offload_params
     else:
         assert loaded.distributed_type.value == "DEEPSPEED"
         assert loaded.deepspeed_config["zero_stage"] == chosen.zero_stage

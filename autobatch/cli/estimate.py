@@ -73,7 +73,7 @@ def estimate_command(
 ) -> None:
     """Estimate the per-GPU batch for a named GPU from any machine: fake-tensor trace, no GPU used.
 
-    The JSON carries "estimated": true. With --strategy: the sharded step as rank 0 of --gpus × --nodes ranks (torch's fake process group) against the GPU's usable memory; FSDP and ZeRO are traced on fake tensors (no memory used), ZeRO's and FSDP2's --offload with the host's tensors counted apart from the GPU's; ddp as its gradient buckets."""  # noqa: E501 - one paragraph in --help
+    The JSON carries "estimated": true. With --strategy: the sharded step as rank 0 of --gpus × --nodes ranks (torch's fake process group) against the GPU's usable memory; FSDP and ZeRO are traced on fake tensors (no memory used), ZeRO's and FSDP's --offload with the host's tensors counted apart from the GPU's; ddp as its gradient buckets."""  # noqa: E501 - one paragraph in --help
     answer_and_print(request_from(locals(), estimate=True), as_json=as_json)
 
 

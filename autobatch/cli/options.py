@@ -160,7 +160,7 @@ StrategyOption = Annotated[str | None, typer.Option(
 OffloadOption = Annotated[str | None, typer.Option(
     "--offload", rich_help_panel=_PLAN,
     help="ZeRO: optimizer (its state in host memory) or params (ZeRO-3: the parameters too). "
-         "FSDP2: params (CPUOffloadPolicy: the shards, their gradients and the optimizer step on the host). "
+         "FSDP: params (CPUOffloadPolicy, CPUOffload: the shards, their gradients and the optimizer step on the host). "
          "In a list, each strategy that takes it.",
 )]
 FsdpUnitOption = Annotated[str | None, typer.Option(

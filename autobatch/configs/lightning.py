@@ -89,8 +89,10 @@ def _strategy(plan: Plan, strategy: Any) -> str | LightningStrategy:
         return LightningStrategy("ModelParallelStrategy", (("data_parallel_size", plan.world_size),
                                                            ("tensor_parallel_size", plan.model_parallel)))
     if strategy.name == "fsdp1":  # without a block the probe wrapped by size, which a small model's one unit is
-        return LightningStrategy("FSDPStrategy", (("auto_wrap_policy", Units([strategy.unit])),)) if strategy.unit \
-            else "fsdp"
+        offload = (("cpu_offload", True),) if strategy.offload else ()
+        if strategy.unit:
+            return LightningStrategy("FSDPStrategy", (("auto_wrap_policy", Units([strategy.unit])), *offload))
+        return "fsdp_cpu_offload" if offload else "fsdp"
     if strategy.offload is None:
         return _STRATEGY[strategy.name]
     if (strategy.name, strategy.offload) in _STRATEGY:

@@ -11,7 +11,7 @@ HF Trainer and accelerate do; DeepSpeed goes through :mod:`~autobatch.distribute
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -98,7 +98,7 @@ def _fsdp2_offload(strategy: Strategy, device: torch.device, model: torch.nn.Mod
         yield OffloadPolicy()
         return
     fake = any(is_fake(p) for p in model.parameters())
-    if device.type != "cpu" or device.index is None:
+    if not _host_apart(device):
         yield CPUOffloadPolicy(pin_memory=not fake)
         return
     from torch.distributed.fsdp._fully_shard import _fully_shard
@@ -109,6 +109,74 @@ def _fsdp2_offload(strategy: Strategy, device: torch.device, model: torch.nn.Mod
         yield CPUOffloadPolicy(pin_memory=not fake)
     finally:
         _fully_shard._get_device_from_mesh = computes_on
+
+
+def _host_apart(device: torch.device) -> bool:
+    """Whether ``device`` is a trace's GPU apart from its host (``cpu:0``: see
+    :func:`~autobatch.estimating.fake_backends.fake_backend`)."""
+    return device.type == "cpu" and device.index is not None
+
+
+def _fsdp1_offload(strategy: Strategy) -> Any:
+    """FSDP1's ``CPUOffload(offload_params=True)`` for ``offload="params"`` (the flat shards, their
+    gradients and the optimizer step on the host), else none."""
+    if strategy.offload is None:
+        return None
+    from torch.distributed.fsdp import CPUOffload
+
+    return CPUOffload(offload_params=True)
+
+
+class _HostApartFsdp1:
+    """What FSDP1's CPU offload needs to run on fake tensors whose GPU is ``cpu:0`` and host ``cpu``.
+
+    FSDP1 takes its compute device from the module, or from the device handle where the module is
+    on a CPU: ``cpu``, the host; while it wraps, it is told ``cpu:0``. It then moves its flat
+    parameter between the two by ``flat_param.data = ...``, which on a fake tensor keeps the old
+    device: a fake tensor's ``.data`` takes its new data's device while the wrapper lives, as a
+    real tensor's does. It pins its host shards (a fake tensor cannot be pinned; pinning moves no
+    bytes onto the GPU) and waits on the CPU stream once backward ends (``synchronize``, which the
+    CPU stream lacks; a trace has nothing in flight). Each goes back when the wrapper is closed.
+    """
+
+    def __init__(self, device: torch.device):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self.device, self._fake = device, FakeTensor
+        base = torch._C.TensorBase.data
+        pin = torch.Tensor.pin_memory
+
+        def set_data(tensor: Any, value: Any) -> None:
+            base.__set__(tensor, value)
+            if isinstance(value, FakeTensor):
+                tensor.fake_device = value.fake_device
+
+        def pinned(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            return tensor if isinstance(tensor, FakeTensor) else pin(tensor, *args, **kwargs)
+
+        self._had_sync = "synchronize" in vars(torch.cpu.Stream)
+        FakeTensor.data = property(base.__get__, set_data)  # type: ignore[method-assign,assignment]
+        torch.Tensor.pin_memory = pinned  # type: ignore[method-assign]
+        self._restore = [lambda: delattr(FakeTensor, "data"), lambda: setattr(torch.Tensor, "pin_memory", pin)]
+        if not self._had_sync:
+            torch.cpu.Stream.synchronize = lambda stream: None  # type: ignore[attr-defined]
+            self._restore.append(lambda: delattr(torch.cpu.Stream, "synchronize"))
+
+    @contextmanager
+    def wrapping(self) -> Iterator[None]:
+        from torch.distributed.fsdp import _init_utils
+
+        computes_on = _init_utils._get_compute_device
+        _init_utils._get_compute_device = lambda *args, **kwargs: self.device
+        try:
+            yield
+        finally:
+            _init_utils._get_compute_device = computes_on
+
+    def destroy(self) -> None:
+        for restore in self._restore:
+            restore()
+        self._restore = []
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -305,7 +373,14 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
 
         classes = {type(u) for u in units}
         policy = ModuleWrapPolicy(classes) if classes else None
-        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True,
-                                           process_group=group, mixed_precision=_fsdp1_precision(workload))
+        apart = _HostApartFsdp1(device) if strategy.offload is not None and _host_apart(device) else None
+        with apart.wrapping() if apart is not None else nullcontext():
+            wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True,
+                                               process_group=group, mixed_precision=_fsdp1_precision(workload),
+                                               cpu_offload=_fsdp1_offload(strategy))
+        if apart is not None:
+            optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
+            return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), units=len(units),
+                           _keep=[wrapped, apart])  # apart's patches go when the wrapper does
     optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
     return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), units=len(units), _keep=[wrapped])

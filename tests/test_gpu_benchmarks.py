@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from benchmarks import gpu, wall
+from tests.ranks import slow
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs/benchmarks/gpu.json"
@@ -47,6 +48,8 @@ def test_the_gpu_block_is_the_one_the_run_takes():
     assert [c for c in gpu.commands() if c.startswith("autobatch find")][0].startswith("autobatch find --model gpt2")
 
 
+@slow("both searches of the wall benchmark's first case (~10 s); the table it wrote is checked against the guide "
+      "by default")
 def test_the_wall_benchmark_times_both_searches_and_writes_its_table():
     # One run of each search in this process (the benchmark starts a fresh process for each).
     case = wall.CASES[0]

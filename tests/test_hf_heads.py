@@ -11,6 +11,7 @@ import autobatch
 from autobatch.errors import AutobatchError
 from autobatch.models import load_model
 from tests.extras import need
+from tests.ranks import slow
 
 
 def _configs():
@@ -51,7 +52,8 @@ def test_each_head_a_config_names_is_built_with_its_batches(tmp_path, task):
     assert torch.isfinite(source.model(**batch).loss)
 
 
-@pytest.mark.parametrize("task", ["image-classification", "seq2seq"])
+@pytest.mark.parametrize("task", ["image-classification", pytest.param("seq2seq", marks=slow(
+    "T5 probed for real and traced (~10 s); its head's batches are checked above by default"))])
 def test_a_head_probes_for_real_and_estimates_on_fake_tensors(tmp_path, task):
     spec = _spec(tmp_path, task)
     seq = None if task == "image-classification" else 16

@@ -86,3 +86,17 @@ def test_where_no_rank_holds_more_than_rank_0_rank_0_plays_alone(strategy, world
     trials: list[autobatch.Trial] = []
     result = probe_sharded(_workload(), SimulatedBackend("4MiB"), strategy, 4, headroom=0, on_trial=trials.append)
     assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)
+
+
+def test_under_fsdp1_ranks_differ_by_bytes_either_way_so_rank_0_plays_alone() -> None:
+    """FSDP1's ranks hold the same padded flat shard and differ only by their views of it: a few bytes
+    either way, at middle ranks as much as at the last, far below a sample's activations."""
+    peaks = []
+    for rank in range(4):
+        with frozen_heap(), fake_process_group(4, rank=rank):
+            peaks.append(run_sharded_trial(autobatch.Workload(odd, lambda b: torch.randn(b, 300)), odd(),
+                                           parse_strategy("fsdp1"), SimulatedBackend("4GiB"), B).trial.reserved_bytes)
+    assert max(abs(p - peaks[0]) for p in peaks) <= 64  # bytes; one sample's input alone is 1200
+    trials: list[autobatch.Trial] = []
+    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), "fsdp1", 4, headroom=0, on_trial=trials.append)
+    assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)

@@ -34,7 +34,8 @@ __all__ = ["load", "lacks", "caveats", "optimizer_step", "grads_held", "predict"
 OTHER_CARDS = {"titan-rtx-24gb": "24GiB", "titan-x-12gb": "12GiB", "p100-16gb": "16280MiB"}
 CATALOGUE = {"rtx3090-24gb": "rtx-3090", "rtx4090-24gb": "rtx-4090", "a10g-24gb": "a10g", "v100-16gb": "v100-16gb",
              "a100-40gb": "a100-40gb", "a100-80gb": "a100-80gb"}
-STRATEGIES = {"fsdp": "fsdp2", "zero2": "zero2", "zero3": "zero3", "zero3-offload": "zero3", "zero1": "zero1"}
+# The sources' FSDP is FSDP1 (PyTorch 1.12's, accelerate's plugin of that time, Lightning Fabric's FSDPStrategy).
+STRATEGIES = {"fsdp": "fsdp1", "zero2": "zero2", "zero3": "zero3", "zero3-offload": "zero3", "zero1": "zero1"}
 
 
 def load(path: Path = DATA) -> list[dict[str, Any]]:

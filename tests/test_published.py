@@ -32,7 +32,10 @@ def test_what_a_point_lacks_is_said():
     # ZeRO's and FSDP's offload are estimated (the host's tensors apart)
     assert published.lacks(by_id["zero-blog-t5-3b-rtx3090-deepspeed-offload-bs20-fit"]) == []
     assert published.lacks(by_id["ds-blog-deberta-v2-xlarge-zero2-fp16-bs40"]) == []  # "offload_optimizer_device none"
-    assert published.lacks(by_id["fsdp-blog-gpt2-xl-fsdp-offload-1gpu-bs10"]) == []  # as fsdp2 --offload params
+    assert published.lacks(by_id["fsdp-blog-gpt2-xl-fsdp-offload-1gpu-bs10"]) == []  # as fsdp1 --offload params
+    # every source's FSDP is FSDP1 (PyTorch 1.12 under accelerate, Lightning Fabric's FSDPStrategy): estimated so
+    assert {o["framework"].split()[0] for o in OBSERVATIONS if o["strategy"] == "fsdp"} == {"Accelerate", "LitGPT"}
+    assert published.STRATEGIES["fsdp"] == "fsdp1"
 
 
 def test_a_peak_is_compared_with_the_figure_its_source_read():

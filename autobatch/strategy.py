@@ -139,8 +139,13 @@ def parse_strategy(name: str | Strategy, offload: str | None = None, unit: str |
 
 
 def _takes(name: str, offload: str) -> bool:
-    """Whether ``name`` takes ``offload`` (an unknown offload: whether it takes any, so its error is the strategy's)."""
-    return name in _TAKES.get(offload, "zero1, zero2, zero3, fsdp2 or fsdp1").replace(",", " ").split()
+    """Whether ``name`` takes ``offload``, by the strategy's own rules (an unknown offload: yes, so
+    that the strategy says why it is refused)."""
+    try:
+        Strategy(name, offload=offload)
+    except AutobatchError:
+        return offload not in OFFLOADS
+    return True
 
 
 def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
@@ -158,7 +163,7 @@ def parse_strategies(text: str, offload: str | None = None, unit: str | None = N
     """Comma-separated strategies (``"ddp,fsdp2,zero3"``), each once, in order.
 
     ``offload`` applies to each strategy of the list that takes it (``"optimizer"``: ZeRO;
-    ``"params"``: ZeRO-3 and FSDP2), the others are compared without it; ``unit`` to the FSDP ones.
+    ``"params"``: ZeRO-3 and FSDP), the others are compared without it; ``unit`` to the FSDP ones.
 
     Example:
         >>> [s.name for s in parse_strategies("ddp, fsdp2,zero3")]

@@ -22,7 +22,7 @@ from ..errors import AutobatchError
 from ..probing.workload import Workload, make_optimizer, resolve_dtype
 from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy
 
-__all__ = ["Wrapped", "wrap_model", "fsdp_units", "with_unit", "local_tensor", "local_bytes", "is_fake"]
+__all__ = ["Wrapped", "wrap_model", "fsdp_units", "with_unit", "local_tensor", "local_bytes", "is_fake", "host_apart"]
 
 
 @dataclass
@@ -97,24 +97,31 @@ def _fsdp2_offload(strategy: Strategy, device: torch.device, model: torch.nn.Mod
     if strategy.offload is None:
         yield OffloadPolicy()
         return
-    fake = any(is_fake(p) for p in model.parameters())
-    if not _host_apart(device):
-        yield CPUOffloadPolicy(pin_memory=not fake)
+    policy = CPUOffloadPolicy(pin_memory=not any(is_fake(p) for p in model.parameters()))
+    if not host_apart(device):
+        yield policy
         return
     from torch.distributed.fsdp._fully_shard import _fully_shard
 
-    computes_on = _fully_shard._get_device_from_mesh
-    _fully_shard._get_device_from_mesh = lambda mesh: device
-    try:
-        yield CPUOffloadPolicy(pin_memory=not fake)
-    finally:
-        _fully_shard._get_device_from_mesh = computes_on
+    with _replaced(_fully_shard, "_get_device_from_mesh", lambda mesh: device):
+        yield policy
 
 
-def _host_apart(device: torch.device) -> bool:
-    """Whether ``device`` is a trace's GPU apart from its host (``cpu:0``: see
-    :func:`~autobatch.estimating.fake_backends.fake_backend`)."""
+def host_apart(device: torch.device) -> bool:
+    """Whether ``device`` is a trace's GPU apart from its host (``cpu:0``, where the host is ``cpu``:
+    see :func:`~autobatch.estimating.fake_backends.fake_backend`)."""
     return device.type == "cpu" and device.index is not None
+
+
+@contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` inside, and what it was again after."""
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
 
 
 def _fsdp1_offload(strategy: Strategy) -> Any:
@@ -142,7 +149,7 @@ class _HostApartFsdp1:
     def __init__(self, device: torch.device):
         from torch._subclasses.fake_tensor import FakeTensor
 
-        self.device, self._fake = device, FakeTensor
+        self.device = device
         base = torch._C.TensorBase.data
         pin = torch.Tensor.pin_memory
 
@@ -154,24 +161,18 @@ class _HostApartFsdp1:
         def pinned(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             return tensor if isinstance(tensor, FakeTensor) else pin(tensor, *args, **kwargs)
 
-        self._had_sync = "synchronize" in vars(torch.cpu.Stream)
         FakeTensor.data = property(base.__get__, set_data)  # type: ignore[method-assign,assignment]
         torch.Tensor.pin_memory = pinned  # type: ignore[method-assign]
         self._restore = [lambda: delattr(FakeTensor, "data"), lambda: setattr(torch.Tensor, "pin_memory", pin)]
-        if not self._had_sync:
+        if "synchronize" not in vars(torch.cpu.Stream):
             torch.cpu.Stream.synchronize = lambda stream: None  # type: ignore[attr-defined]
             self._restore.append(lambda: delattr(torch.cpu.Stream, "synchronize"))
 
-    @contextmanager
-    def wrapping(self) -> Iterator[None]:
+    def wrapping(self) -> Any:
+        """While FSDP1 wraps: it computes on ``cpu:0``."""
         from torch.distributed.fsdp import _init_utils
 
-        computes_on = _init_utils._get_compute_device
-        _init_utils._get_compute_device = lambda *args, **kwargs: self.device
-        try:
-            yield
-        finally:
-            _init_utils._get_compute_device = computes_on
+        return _replaced(_init_utils, "_get_compute_device", lambda *args, **kwargs: self.device)
 
     def destroy(self) -> None:
         for restore in self._restore:
@@ -347,6 +348,7 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
         optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
         return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer, workload.grads_held), _keep=[wrapped])
     units = fsdp_units(model, strategy.unit)
+    keep: list[Any] = []  # held and closed beside the wrapper
     if strategy.name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -373,14 +375,12 @@ def wrap_model(model: torch.nn.Module, strategy: Strategy, workload: Workload, d
 
         classes = {type(u) for u in units}
         policy = ModuleWrapPolicy(classes) if classes else None
-        apart = _HostApartFsdp1(device) if strategy.offload is not None and _host_apart(device) else None
+        apart = _HostApartFsdp1(device) if strategy.offload is not None and host_apart(device) else None
         with apart.wrapping() if apart is not None else nullcontext():
             wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=device, use_orig_params=True,
                                                process_group=group, mixed_precision=_fsdp1_precision(workload),
                                                cpu_offload=_fsdp1_offload(strategy))
         if apart is not None:
-            optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
-            return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), units=len(units),
-                           _keep=[wrapped, apart])  # apart's patches go when the wrapper does
+            keep.append(apart)  # its patches go when the wrapper does
     optimizer = make_optimizer(workload.optimizer, [p for p in wrapped.parameters() if p.requires_grad])
-    return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), units=len(units), _keep=[wrapped])
+    return Wrapped(wrapped, optimizer, _backward, _plain_step(optimizer), units=len(units), _keep=[wrapped, *keep])

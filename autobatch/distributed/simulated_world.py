@@ -30,7 +30,7 @@ from ..strategy import Strategy, parse_strategy
 from .fake_group import fake_process_group
 from .sharded_trial import MemoryBreakdown, ShardedTrial, off_the_gpu
 from .traced_trials import sharded_trials
-from .sharding import with_unit
+from .sharding import host_apart, with_unit
 
 __all__ = ["probe_sharded", "sharding_report", "offload_on_the_host"]
 
@@ -64,7 +64,7 @@ def sharding_report(strategy: Strategy, world_size: int, breakdown: MemoryBreakd
 def offload_on_the_host(strategy: Strategy, backend: MemoryBackend, name: str, world_size: int) -> AutobatchError | None:
     """The error for an offloading strategy probed with real steps on the CPU, where the host is the
     simulated device itself (a trace whose host is apart, on ``cpu:0``, tells the two apart); else None."""
-    if strategy.offload is None or backend.device.type != "cpu" or backend.device.index is not None:
+    if strategy.offload is None or backend.device.type != "cpu" or host_apart(backend.device):
         return None
     asked = f"--strategy {strategy.name} --offload {strategy.offload}"
     configs = "--deepspeed ds.json" if strategy.is_deepspeed else "--accelerate accelerate.yaml"

@@ -222,7 +222,9 @@ class _Globals:
         """On a trace whose host is apart (``cpu:0``, see :func:`~autobatch.estimating.fake_backends.fake_backend`),
         DeepSpeed's CPU accelerator names ``cpu:0`` as its device until :meth:`destroy`: what the engine
         keeps on its device goes there, what it offloads to ``cpu``, the host, as from a GPU."""
-        if device.type != "cpu" or device.index is None:
+        from .sharding import host_apart
+
+        if not host_apart(device):
             return
         from deepspeed.accelerator import get_accelerator
 

@@ -109,11 +109,12 @@ def _estimated_for(report: Any) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
     tail = f"; ×{report.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
-    from ..units import parse_bytes
+    from ..answering.rows import estimate_overheads
+    from ..estimating.overheads import beside_the_context
 
-    context = spec.context_bytes if request.cuda_context is None else parse_bytes(request.cuda_context)
-    usable = (f"{format_bytes(spec.total_bytes - context)}, {format_bytes(spec.total_bytes)} less its "
-              f"{format_bytes(context)} CUDA context")
+    beside = beside_the_context(spec, estimate_overheads(request))  # the context --cuda-context sets, else the card's
+    usable = (f"{format_bytes(beside)}, {format_bytes(spec.total_bytes)} less its "
+              f"{format_bytes(spec.total_bytes - beside)} CUDA context")
     return (f"estimated for {spec.name}, as rank 0 of {world} against its usable {usable} (each strategy's step "
             f"traced on fake tensors; no GPU used{tail})")
 

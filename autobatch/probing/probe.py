@@ -89,8 +89,8 @@ def prior_report(prior: Callable[[int], float] | NoTrace | None, absent: str = N
     said = report() if callable(report) else None
     if said is not None:
         return {"trace_prior": trace_record(said)}
-    if isinstance(prior, NoTrace) or isinstance(getattr(prior, "reason", None), str):
-        reason = prior.reason  # a prior that is not the trace says what it is
+    if isinstance(getattr(prior, "reason", None), str):  # a NoTrace, or another prior that is not the trace
+        reason = prior.reason
     elif prior is None:
         reason = absent
     elif callable(report):

@@ -31,10 +31,19 @@ def _workload() -> autobatch.Workload:
     return autobatch.Workload(uneven, lambda b: torch.randn(b, 300))
 
 
-def _peak(rank: int, batch: int) -> int:
-    with frozen_heap(), fake_process_group(WORLD, rank=rank):
-        return run_sharded_trial(_workload(), uneven(), parse_strategy("zero2"), SimulatedBackend("4GiB"),
+def _peak(rank: int, batch: int, *, world: int = WORLD, strategy: str = "zero2", model=uneven,
+          dtype: str | None = None) -> int:
+    """Rank ``rank`` of ``world``'s reserved peak at ``batch``: real steps on a simulated budget."""
+    work = autobatch.Workload(model, lambda b: torch.randn(b, 300), dtype=dtype)
+    with frozen_heap(), fake_process_group(world, rank=rank):
+        return run_sharded_trial(work, model(), parse_strategy(strategy), SimulatedBackend("4GiB"),
                                  batch).trial.reserved_bytes
+
+
+def _plays_rank_0_alone(strategy: str) -> None:
+    trials: list[autobatch.Trial] = []
+    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), strategy, 4, headroom=0, on_trial=trials.append)
+    assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)
 
 
 def test_the_last_rank_plays_the_answer_and_limits_it() -> None:
@@ -73,30 +82,19 @@ def test_where_no_rank_holds_more_than_rank_0_rank_0_plays_alone(strategy, world
         need("deepspeed")
     uneven_seen = False
     for dtype in ("fp32", "bf16"):
-        work = autobatch.Workload(odd, lambda b: torch.randn(b, 300), dtype=dtype)
         for world in worlds:
-            peaks = []
-            for rank in [*range(1, world), 0]:  # rank 0 last: a process's first DeepSpeed engine costs more
-                with frozen_heap(), fake_process_group(world, rank=rank):
-                    peaks.append(run_sharded_trial(work, odd(), parse_strategy(strategy), SimulatedBackend("4GiB"),
-                                                   B).trial.reserved_bytes)
+            # rank 0 last: a process's first DeepSpeed engine costs more
+            peaks = [_peak(rank, B, world=world, strategy=strategy, model=odd, dtype=dtype)
+                     for rank in [*range(1, world), 0]]
             assert max(peaks) == peaks[-1], (dtype, world, peaks)
             uneven_seen |= min(peaks) < peaks[-1]
     assert uneven_seen or strategy != "fsdp2"  # FSDP2's chunks differ: another rank held less
-    trials: list[autobatch.Trial] = []
-    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), strategy, 4, headroom=0, on_trial=trials.append)
-    assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)
+    _plays_rank_0_alone(strategy)
 
 
 def test_under_fsdp1_ranks_differ_by_bytes_either_way_so_rank_0_plays_alone() -> None:
     """FSDP1's ranks hold the same padded flat shard and differ only by their views of it: a few bytes
     either way, at middle ranks as much as at the last, far below a sample's activations."""
-    peaks = []
-    for rank in range(4):
-        with frozen_heap(), fake_process_group(4, rank=rank):
-            peaks.append(run_sharded_trial(autobatch.Workload(odd, lambda b: torch.randn(b, 300)), odd(),
-                                           parse_strategy("fsdp1"), SimulatedBackend("4GiB"), B).trial.reserved_bytes)
+    peaks = [_peak(rank, B, world=4, strategy="fsdp1", model=odd) for rank in range(4)]
     assert max(abs(p - peaks[0]) for p in peaks) <= 64  # bytes; one sample's input alone is 1200
-    trials: list[autobatch.Trial] = []
-    result = probe_sharded(_workload(), SimulatedBackend("4MiB"), "fsdp1", 4, headroom=0, on_trial=trials.append)
-    assert result.extra["sharding"]["ranks_played"] == [0] and len(trials) == len(result.trials)
+    _plays_rank_0_alone("fsdp1")

@@ -57,6 +57,15 @@ class Report:
         return Overheads(fragmentation=self.request.fragmentation).multiplier
 
     @property
+    def beside_the_context(self) -> int:
+        """What an estimate's card can allocate: its memory less the CUDA context (``--cuda-context``
+        where given, else the card's), as the estimate took it."""
+        from ..estimating.overheads import beside_the_context
+        from .rows import estimate_overheads
+
+        return beside_the_context(self.gpu, estimate_overheads(self.request))
+
+    @property
     def estimated(self) -> bool:
         return self.mode == "estimate"
 

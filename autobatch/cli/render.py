@@ -109,10 +109,7 @@ def _estimated_for(report: Any) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
     tail = f"; ×{report.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
-    from ..answering.rows import estimate_overheads
-    from ..estimating.overheads import beside_the_context
-
-    beside = beside_the_context(spec, estimate_overheads(request))  # the context --cuda-context sets, else the card's
+    beside = report.beside_the_context  # the context --cuda-context sets, else the card's
     usable = (f"{format_bytes(beside)}, {format_bytes(spec.total_bytes)} less its "
               f"{format_bytes(spec.total_bytes - beside)} CUDA context")
     return (f"estimated for {spec.name}, as rank 0 of {world} against its usable {usable} (each strategy's step "

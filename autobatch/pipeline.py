@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError
-from .estimating.background import TracedBeside, beside
+from .estimating.background import TracedBeside, beside, between
 from .estimating.prior import GuardedPrior, try_trace_prior
 from .planning.plan import Plan
 from .planning.solver import solve
@@ -264,12 +264,12 @@ def trace_prior_for(workload: Workload, backend: MemoryBackend, *,
 
     :func:`~autobatch.estimating.prior.try_trace_prior` with the allocator of :func:`booked_as`:
     ``None`` where the model cannot be copied onto fake tensors, and the trials alone search.
-    On a simulated budget the trials run on the same CPU as the trace, so there it traces first,
-    when the search first asks, as before.
+    On a simulated budget the trials run on the same CPU as the trace, so there it runs between
+    them, never for longer than they have taken (:func:`~autobatch.estimating.background.between`).
     """
     if backend.device.type == "cuda":
         return beside(workload, min_batch=min_batch, allocator=booked_as(backend), device_type="cuda")
-    return try_trace_prior(workload, min_batch=min_batch, allocator=booked_as(backend), device_type=backend.device.type)
+    return between(workload, min_batch=min_batch, allocator=booked_as(backend), device_type=backend.device.type)
 
 
 def booked_as(backend: MemoryBackend) -> str:

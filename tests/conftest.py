@@ -27,6 +27,21 @@ def _no_files_left_in_the_checkout():
     assert not left, f"the tests left {left} in the checkout; run such code in a temporary directory"
 
 
+@pytest.fixture
+def trace_first(monkeypatch):
+    """``find``'s trace made when the search first asks, as before it ran between the trials.
+
+    For the tests of the trace-led search itself on a simulated budget: their tiny models' trials
+    take hundredths of a second, less than their traces, so paced between them
+    (:func:`autobatch.estimating.background.between`) the trace would not lead them.
+    ``tests/test_trace_beside.py`` tests the pacing.
+    """
+    from autobatch import pipeline
+    from autobatch.estimating.prior import try_trace_prior
+
+    monkeypatch.setattr(pipeline, "between", lambda workload, **options: try_trace_prior(workload, **options))
+
+
 @pytest.fixture(scope="module")
 def frozen_suite_heap():
     """The heap the suite built before this module, out of the collector's walk while it runs.

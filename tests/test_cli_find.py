@@ -156,7 +156,7 @@ def test_python_api_in_three_lines_leaves_the_model_unchanged():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_second_find_is_cached_and_no_cache_probes_again():
+def test_second_find_is_cached_and_no_cache_probes_again(trace_first):
     args = ["find", "--model", "tiny-mlp", "--target", "100", "--device", "cpu", "--memory", "3MiB", "--json"]
     first, second = json.loads(invoke(*args).stdout), json.loads(invoke(*args).stdout)
     assert not first["cached"] and second["cached"]

@@ -36,6 +36,7 @@ from autobatch.distributed import (  # noqa: E402
 )
 from autobatch.errors import AutobatchError, ConfigError  # noqa: E402
 from autobatch.estimating.prior import try_trace_prior  # noqa: E402
+from autobatch.pipeline import trace_prior_for  # noqa: E402
 from tests.tiny import TinyLM, lm_workload  # noqa: E402
 
 KIB = 1024
@@ -63,9 +64,12 @@ def _case_budgets(out: Path) -> None:
         traced = try_trace_prior(work, device_type="cpu")  # the ranks train on the CPU
         led = probe_distributed(work, SimulatedBackend(budget(rank)), wrap=None,
                                 prior=lambda b: traced(b) + rank * 4096)
+        backend = SimulatedBackend(budget(rank))
+        # find's own prior on the CPU: traced between the trials, which a search in lockstep asks outright
+        between = probe_distributed(work, backend, wrap=None, prior=trace_prior_for(work, backend))
     restored = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     out.joinpath(f"rank{rank}.json").write_text(json.dumps(
-        {"plain": plain.to_dict(), "ddp": ddp.to_dict(), "led": led.to_dict(), "restored": restored,
+        {"plain": plain.to_dict(), "ddp": ddp.to_dict(), "led": led.to_dict(), "between": between.to_dict(), "restored": restored,
          "text": str(ddp)}))
 
 
@@ -148,7 +152,7 @@ def test_every_rank_returns_the_minimum_over_ranks(three_ranks: list[dict]) -> N
 
 
 def test_trial_sequences_are_identical_on_all_ranks(three_ranks: list[dict]) -> None:
-    for key in ("plain", "ddp", "led"):
+    for key in ("plain", "ddp", "led", "between"):
         agreed = [[t["batch"] for t in r[key]["trials"]] for r in three_ranks]
         assert agreed[0] == agreed[1] == agreed[2]
         local = [[t["batch"] for t in rank["trials"]] for rank in three_ranks[0][key]["ranks"]]
@@ -160,6 +164,10 @@ def test_the_trace_leads_every_rank_to_the_same_answer_in_no_more_trials(three_r
     assert led["max_batch"] == plain["max_batch"] and led["limiting_ranks"] == [2]
     assert [(t["batch"], t["fits"]) for t in led["trials"]] == [(1, True), (24, True), (30, True), (31, False)]
     assert [(t["batch"], t["fits"]) for t in plain["trials"]] == [(1, True), (12, True), (30, True), (31, False)]
+    for rank in three_ranks:  # the trace run between the trials, asked outright by every rank alike: it led
+        between = rank["between"]
+        assert between["max_batch"] == plain["max_batch"]
+        assert between["trace_prior"]["led"] is True and between["trace_prior"]["between"] is True
 
 
 def test_the_report_says_what_each_rank_could_do_alone(three_ranks: list[dict]) -> None:

@@ -161,7 +161,7 @@ def test_cli_estimate_plans_and_writes_deepspeed(tmp_path):
     assert data["estimated"] is True and data["gpu"]["vendor"] == "custom" and data["max_batch"] >= data["safe_batch"] > 0
 
 
-def test_gradient_checkpointing_is_traced_and_leads_the_search():
+def test_gradient_checkpointing_is_traced_and_leads_the_search(trace_first):
     # The fused attention route is not taken when the checkpoint recomputes the forward in backward:
     # with it on both passes disagreed and torch refused (a traceback from estimate, no lead for find).
     from typer.testing import CliRunner

@@ -107,7 +107,7 @@ def test_a_probe_books_the_prior_as_its_backend_books_memory():
     assert booked_as(Cuda()) == "caching"
 
 
-def test_on_the_allocators_staircase_the_prior_steps_with_the_device():
+def test_on_the_allocators_staircase_the_prior_steps_with_the_device(trace_first):
     # 64 MiB booked in 2 and 20 MiB segments: long flat runs, then a segment's jump. Followed
     # step by step, the traced staircase puts the first guess on the answer.
     def search(**options):

@@ -150,3 +150,80 @@ def test_the_report_says_from_which_trial_the_trace_led():
     result = autobatch.probe(mlp_workload(), autobatch.SimulatedBackend("2MiB"))
     line = type(result)(**{**result.__dict__, "extra": {"trace_prior": said}}).trace_line()
     assert line.startswith("led by the fake-tensor trace from trial 2 on (traced beside the trials: traced at batches 2, 4, 16")
+
+
+def _instant(b: int) -> Trial:
+    return oracle(b)
+
+
+def test_a_trace_between_cheap_trials_never_runs_longer_than_they_took_and_says_why_it_did_not_lead():
+    def endless(batch: int) -> float:
+        while True:  # a trace that would never end: it pauses and stops at its torch calls
+            torch.zeros(1)
+
+    def slow_trial(b: int) -> Trial:
+        time.sleep(0.05)
+        return oracle(b)
+
+    prior = background.TracedBetween(GuardedPrior(endless, "endless"), [1])
+    outcome = search_max(slow_trial, 1000, prior=prior)
+    assert batches(outcome) == [1, 25, 128, 129] and prior.cancelled
+    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    record = prior_report(prior)["trace_prior"]
+    assert record["led"] is False and record["between"] is True
+    assert record["reason"].startswith("the trials were cheaper than the trace: they ended the search in ")
+    # It ran while the search lent it time, before each trial but the first: about three trials'
+    # worth, never more than all four (a torch call of slack).
+    assert 0 < prior.trials_seconds and prior.used <= prior.trials_seconds + 0.2
+
+
+def test_a_trace_between_dear_trials_leads_from_the_first_trial_after_it_is_done():
+    work = _slow_steps()  # a second a trial; the trace of this MLP takes a fraction of that
+    result = autobatch.probe(work, autobatch.SimulatedBackend("2MiB"), prior=background.between(work), headroom=0)
+    alone = autobatch.probe(mlp_workload(), autobatch.SimulatedBackend("2MiB"), headroom=0)
+    record = result.trace_record
+    assert result.max_batch == alone.max_batch
+    assert record["led"] is True and record["from_trial"] == 1 and record["between"] is True
+    assert "traced between the trials" in result.trace_line()
+    assert len(result.trials) < len(alone.trials)
+
+
+def test_the_trials_between_the_windows_of_a_trace_keep_their_random_numbers():
+    inside, go_on = threading.Event(), threading.Event()
+
+    def forks(batch: int) -> float:
+        with torch.random.fork_rng(devices=[]):  # as the trace's steps do
+            torch.manual_seed(0)
+            inside.set()
+            while not go_on.is_set():
+                torch.zeros(1)  # where it pauses once its time is up
+        return 1.0
+
+    prior = background.TracedBetween(GuardedPrior(forks, "forks"), [1])
+    trials = torch.Generator().manual_seed(7)  # the draws the trials would make with no trace
+    torch.manual_seed(7)
+    lent = 0.0
+    while not inside.is_set():
+        lent += 0.01
+        prior.lend(lent)  # the trace is now paused inside its fork, having seeded it
+    assert torch.equal(torch.rand(4), torch.rand(4, generator=trials))  # a trial's draw, not the trace's seed
+    go_on.set()
+    prior.finish_within(60)  # the trace closes its fork, putting back the state from before that draw
+    assert prior.ready()
+    assert torch.equal(torch.rand(4), torch.rand(4, generator=trials))  # the next draw goes on after it
+    prior.stop()
+
+
+def test_find_on_a_simulated_budget_traces_between_its_trials():
+    finding = find_plan(mlp_workload(), backend=autobatch.SimulatedBackend("2MiB"), max_batch=256, headroom=0)
+    record = finding.probe.trace_record
+    assert record["between"] is True and (record["led"] or record["reason"].startswith("the trials were cheaper"))
+    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_trace_between_never_lent_time_leaves_no_thread_behind():
+    prior = background.between(mlp_workload())  # made, then never used (a probe that raised before searching)
+    assert isinstance(prior, background.TracedBetween) and not prior.ready()
+    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    prior.stop()
+    assert prior_report(prior)["trace_prior"]["reason"].startswith("the trials were cheaper than the trace")

@@ -33,7 +33,7 @@ def exact(finding) -> bool:
     return tried.get(best) is True and tried.get(best + 1) is False
 
 
-def test_find_with_the_trace_takes_fewer_trials_and_gives_the_same_answer():
+def test_find_with_the_trace_takes_fewer_trials_and_gives_the_same_answer(trace_first):
     with_prior = find_plan(cnn_workload(), backend=SimulatedBackend("1MiB"), headroom=0)
     without = find_plan(cnn_workload(), backend=SimulatedBackend("1MiB"), headroom=0, use_trace_prior=False)
     # BatchNorm: the search starts at 2, and so does the trace.
@@ -81,7 +81,7 @@ class _DataDependent(torch.nn.Module):
         return self.net(x) * (1 + 0 * torch.bincount((x > 0).long().flatten()).shape[0])
 
 
-def test_a_model_the_trace_cannot_follow_is_searched_from_its_trials_alone(caplog):
+def test_a_model_the_trace_cannot_follow_is_searched_from_its_trials_alone(caplog, trace_first):
     work = Workload(_DataDependent(), lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))))
     with caplog.at_level(logging.DEBUG, logger="autobatch.estimating.prior"):
         led = find_plan(work, backend=SimulatedBackend("256KiB"), headroom=0)
@@ -153,7 +153,7 @@ def test_the_search_drops_a_prior_that_answers_nan_and_stays_exact():
         [t.batch for t in search_max(run, 1000).trials] == [1, 25, 128, 129]
 
 
-def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path):
+def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path, trace_first):
     (tmp_path / "net.py").write_text("import torch\ndef build():\n    return torch.nn.Sequential("
                                      "torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), "
                                      "torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 10))\n")
@@ -168,7 +168,7 @@ def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path):
     assert alone["probe"]["trace_prior"]["led"] is False and alone["probe"]["trace_prior"]["reason"] == TURNED_OFF
 
 
-def test_a_cached_answer_says_how_its_search_went_and_how_to_search_again(tmp_path, monkeypatch):
+def test_a_cached_answer_says_how_its_search_went_and_how_to_search_again(tmp_path, monkeypatch, trace_first):
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
     args = ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "64"]
     first = CliRunner().invoke(app, args)
@@ -184,7 +184,7 @@ def test_a_cached_answer_says_how_its_search_went_and_how_to_search_again(tmp_pa
     assert ", nothing ran now (its trials alone searched); --no-cache probes again\n" in plain.stdout
 
 
-def test_find_takes_the_switch():
+def test_find_takes_the_switch(trace_first):
     # AdamW's step sets a linear layer's peak at small batches (a flat start): trials alone
     # climb in bounded steps until the activations take over; the trace knows where they do.
     make = lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,)))
@@ -202,7 +202,7 @@ def _hf_dir(tmp_path, name, config):
     return f"hf:{tmp_path / name}"
 
 
-def test_a_trace_torch_cannot_run_is_one_line_in_the_report_and_nothing_on_stderr(tmp_path):
+def test_a_trace_torch_cannot_run_is_one_line_in_the_report_and_nothing_on_stderr(tmp_path, trace_first):
     from typer.testing import CliRunner
 
     from autobatch.cli import app

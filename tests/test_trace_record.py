@@ -27,7 +27,7 @@ def _not_led(record: dict) -> str:
     return record["reason"]
 
 
-def test_find_without_the_trace_says_so_in_one_line_and_in_json() -> None:
+def test_find_without_the_trace_says_so_in_one_line_and_in_json(trace_first) -> None:
     args = ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "64", "--no-cache"]
     text = CliRunner().invoke(app, [*args, "--no-trace-prior"])
     assert text.exit_code == 0 and f"the trials alone searched: {TURNED_OFF}" in text.stdout

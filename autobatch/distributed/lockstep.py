@@ -233,13 +233,17 @@ def probe_distributed(
                 agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
             if chosen is not None:  # each sharded trial wraps its own copy: the model waits in host memory
                 stack.enter_context(off_the_gpu(model))
-            outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
-                                 prior=agreed_prior(comm, prior))
-            own = None if not each_rank or outcome.max_batch == 0 else own_limits(
-                comm, lambda b: mine_at(b, net) if chosen is None else mine_at(b, net).trial,
-                local_trials[rank], capacity=backend.capacity(), headroom=headroom, min_batch=min_batch,
-                max_batch=max_batch, lockstep=chosen is not None, prior=prior,
-                timed=backend.device.type == "cuda")
+            try:
+                outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
+                                     prior=agreed_prior(comm, prior))
+                own = None if not each_rank or outcome.max_batch == 0 else own_limits(
+                    comm, lambda b: mine_at(b, net) if chosen is None else mine_at(b, net).trial,
+                    local_trials[rank], capacity=backend.capacity(), headroom=headroom, min_batch=min_batch,
+                    max_batch=max_batch, lockstep=chosen is not None, prior=prior,
+                    timed=backend.device.type == "cuda")
+            finally:
+                if callable(getattr(prior, "stop", None)):
+                    prior.stop()  # a trace on its thread (asked in lockstep, it ran when first asked) ends here
             net = None  # the wrapper's gradient buckets die with the last reference
     if owned:
         del model

@@ -12,6 +12,15 @@ before the probe puts back the caller's.
 Fake tensors, their dispatch modes and autocast's state are per thread, so the trace and the
 trials do not see each other's tensors.
 
+Where the trials run on the same CPU as the trace (a simulated budget), the two cannot overlap:
+the trace holds the interpreter while it runs, and a trial waits for it at every torch call (a
+tiny model's step went from 0.011 s to 0.68 s beside it). There :func:`between` runs the trace
+*between* the trials instead, paused at its next torch call while one runs, and never for longer
+in all than the trials have taken so far (:meth:`TracedBetween.lend`). A trace that costs more
+than the trials it would save (a tiny model's, whose steps take hundredths of a second) is given
+only the trials' own time, and the search ends without it; one that pays (a step of seconds) is
+ready after the first trial or two and leads from then on.
+
 Example:
     >>> import torch, autobatch
     >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -25,17 +34,22 @@ Example:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.overrides import TorchFunctionMode
 
 from ..probing.workload import Workload
-from .prior import GuardedPrior, try_trace_prior, warm_batches
+from .prior import WARM_TRACES, GuardedPrior, try_trace_prior, warm_batches
 
-__all__ = ["TracedBeside", "beside", "NOT_READY"]
+__all__ = ["TracedBeside", "TracedBetween", "beside", "between", "NOT_READY", "NOT_PAID"]
 
 NOT_READY = "the trials ended the search before the trace beside them was ready"
+# A trace run between the trials for no longer than they took, and not done when they were.
+NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, before the trace, "
+            "run between them for as long, was done")
 
 
 class _Cancelled(BaseException):
@@ -44,13 +58,18 @@ class _Cancelled(BaseException):
 
 
 class _Cancel(TorchFunctionMode):
-    """Stop the trace at its next torch call once ``event`` is set."""
+    """Stop the trace at its next torch call once ``event`` is set; with a ``gate``, wait at it
+    while the gate is shut (saying so by ``paused``)."""
 
-    def __init__(self, event: threading.Event):
+    def __init__(self, event: threading.Event, gate: threading.Event | None = None,
+                 paused: threading.Event | None = None):
         super().__init__()
-        self.event = event
+        self.event, self.gate, self.paused = event, gate, paused
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        while self.gate is not None and not self.gate.is_set():
+            self.paused.set()
+            self.gate.wait()
         if self.event.is_set():
             raise _Cancelled
         return func(*args, **(kwargs or {}))
@@ -68,13 +87,21 @@ class TracedBeside:
         self._stop, self._done = threading.Event(), threading.Event()
         self.cancelled = False
         self.from_trial: int | None = None
+        self.asked = False  # asked outright (a search in lockstep asks as every rank does), not taken when ready
+        self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._trace, args=(tuple(batches),), name="autobatch-trace",
                                         daemon=True)
+        self._begin()
+
+    def _begin(self) -> None:
         self._thread.start()
+
+    def _mode(self) -> _Cancel:
+        return _Cancel(self._stop)
 
     def _trace(self, batches: tuple[int, ...]) -> None:
         try:
-            with _Cancel(self._stop):
+            with self._mode():
                 for batch in batches:
                     self._prior(batch)
         except _Cancelled:
@@ -91,7 +118,25 @@ class TracedBeside:
         self._stop.set()
         self._thread.join()
 
+    def _spent(self) -> float:
+        return time.perf_counter() - self._started
+
+    def remaining(self) -> float | None:
+        """The seconds the trace still needs at its pace so far (its first, slowest, batch counted
+        in), or ``None`` before one batch is traced."""
+        if self._done.is_set():
+            return 0.0
+        traced = len(self._prior.traced_batches)
+        return self._spent() / traced * max(0, WARM_TRACES - traced) if traced else None
+
+    def finish_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the trace to end (the search does where the trial it would
+        run next costs more than that); whether it can lead now."""
+        self._done.wait(seconds)
+        return self.ready()
+
     def __call__(self, batch: int) -> float:
+        self.asked = True
         self._done.wait()
         return self._prior(batch)
 
@@ -99,9 +144,85 @@ class TracedBeside:
         """The prior's report and ``from_trial``; a trace that never led says why (a failed one is
         said by :func:`~autobatch.probing.result.trace_record`, as for any prior)."""
         said = self._prior.report() or {"traced_batches": [], "seconds": round(self._prior.seconds, 3), "failure": None}
-        if said["failure"] is None and self.from_trial is None:
+        if said["failure"] is None and self.from_trial is None and not self.asked:
             return {"led": False, "reason": NOT_READY, "from_trial": None, **said}
         return {"from_trial": self.from_trial, **said}
+
+
+class TracedBetween(TracedBeside):
+    """A prior traced on a thread that runs only between the trials, while the search lends it time.
+
+    The search calls :meth:`lend` before each trial with the seconds its trials have taken so far;
+    the trace then runs until its own seconds reach them (or it is done) and pauses at its next
+    torch call. So it never costs more than the trials did: where they are cheap, it does not
+    finish, and the search ends without it (``reason``: :data:`NOT_PAID`).
+    """
+
+    def __init__(self, prior: GuardedPrior, batches: Sequence[int], spent: float = 0.0):
+        self._gate, self._paused = threading.Event(), threading.Event()
+        self.used = spent  # seconds the trace has run (its fake copy included)
+        self.trials_seconds = 0.0
+        super().__init__(prior, batches)
+
+    def _mode(self) -> _Cancel:
+        return _Cancel(self._stop, self._gate, self._paused)
+
+    def _begin(self) -> None:
+        pass  # the thread starts when it is first lent time: a prior never lent any leaves none behind
+
+    def lend(self, trials_seconds: float) -> None:
+        """Let the trace run until it has taken ``trials_seconds`` in all, or is done."""
+        self.trials_seconds = trials_seconds
+        self._run_for(trials_seconds - self.used)
+
+    def _spent(self) -> float:
+        return self.used
+
+    def finish_within(self, seconds: float) -> bool:
+        self._run_for(seconds)
+        return self.ready()
+
+    def _run_for(self, budget: float | None) -> None:
+        """Let the trace run for up to ``budget`` seconds (``None``: to its end), then pause it.
+
+        The caller's random number generator is put back after the window: the trace's own
+        ``fork_rng`` may close in it, putting back a state from before the trials in between.
+        """
+        if self._done.is_set() or (budget is not None and budget <= 0):
+            return
+        state = torch.get_rng_state()
+        start = time.perf_counter()
+        self._paused.clear()
+        self._gate.set()
+        if self._thread.ident is None:
+            self._thread.start()
+        try:
+            self._done.wait(budget)
+        finally:
+            self._gate.clear()
+            while not (self._done.is_set() or self._paused.wait(0.01)):
+                pass  # the trace stops at its next torch call
+            self.used += time.perf_counter() - start
+            torch.set_rng_state(state)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._gate.set()  # a paused trace wakes to find the stop
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    def __call__(self, batch: int) -> float:
+        self.asked = True
+        if not self._done.is_set():  # asked before it was ready: it runs to its end now
+            self._run_for(None)
+        return self._prior(batch)
+
+    def report(self) -> dict[str, Any]:
+        said = super().report()
+        said = {**said, "seconds": round(self.used, 3), "between": True}
+        if said.get("reason") == NOT_READY:
+            said["reason"] = NOT_PAID.format(trials=self.trials_seconds)
+        return said
 
 
 def beside(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",
@@ -115,3 +236,23 @@ def beside(workload: Workload, *, min_batch: int | None = None, allocator: str =
     if prior is None or prior.failure is not None:
         return prior
     return TracedBeside(prior, warm_batches(prior.first))
+
+
+def between(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",
+            device_type: str = "cpu") -> TracedBetween | GuardedPrior | None:
+    """:func:`~autobatch.estimating.prior.try_trace_prior`, its traces run between the trials
+    (:class:`TracedBetween`): for trials on the CPU the trace shares.
+
+    Example:
+        >>> import torch, autobatch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        >>> work = autobatch.Workload(model, lambda b: (torch.randn(b, 32), torch.randint(0, 4, (b,))))
+        >>> result = autobatch.probe(work, autobatch.SimulatedBackend("1MiB"), prior=between(work))
+        >>> result.trace_record["led"], result.trace_record["between"]  # its trials took less than its trace
+        (False, True)
+    """
+    start = time.perf_counter()
+    prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
+    if prior is None or prior.failure is not None:
+        return prior
+    return TracedBetween(prior, warm_batches(prior.first), spent=time.perf_counter() - start)

@@ -36,10 +36,12 @@ from .estimate import trace_trial, training_copy
 from .fake_backends import _mode_of, _new_fake_mode
 from .replay import AllocationLog, SizeLaws, check_allocator, fit_log
 
-__all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "GuardedPrior", "phase_peaks"]
+__all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "GuardedPrior", "phase_peaks",
+           "WARM_TRACES"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
 _FIT = 4    # traces the size laws are fitted through (three) and checked against (one, once the search goes past them)
+WARM_TRACES = _FIT  # the traces a prior makes before it leads (warm_batches asks for them)
 log = logging.getLogger("autobatch.estimating.prior")
 
 
@@ -261,9 +263,14 @@ class GuardedPrior:
         prior.failure, prior.seconds = failure_text(exc), seconds
         return prior
 
+    @property
+    def traced_batches(self) -> list[int]:
+        """The batches traced so far."""
+        return sorted(getattr(self._prior, "traced", {}))
+
     def report(self) -> dict[str, Any] | None:
         """``{"traced_batches", "seconds", "failure"}``, or ``None`` when the search never asked."""
-        traced = sorted(getattr(self._prior, "traced", {}))
+        traced = self.traced_batches
         if not traced and self.failure is None:
             return None
         return {"traced_batches": traced, "seconds": round(self.seconds, 3), "failure": self.failure}

@@ -17,6 +17,7 @@ from .oom import is_oom_error
 from .heap import frozen_heap
 from .preserve import borrowed_model, kept_rng
 from .result import ProbeResult, not_led, trace_record
+from .pending import stopped
 from .search import NoTrace, SearchOutcome, fit_line, predict_batch, search_max
 from .trial import Trial, run_trial
 from .workload import Workload
@@ -228,50 +229,51 @@ def probe(
         >>> result.max_batch > 0 and len(result.trials) <= 6
         True
     """
-    backend = backend if backend is not None else make_backend()
-    for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
-    capacity = backend.capacity()
-    headroom_bytes = resolve_headroom(headroom, capacity)
-    owned = not isinstance(workload.model, torch.nn.Module)
-    with kept_rng():  # the factory's weight init must not move the caller's RNG
-        model = workload.model() if owned else workload.model
-    if not isinstance(model, torch.nn.Module):
-        raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
-    require_materialized(model)
-    if min_batch is None:
-        min_batch = min_batch_for(model)
-    if max_batch is not None and max_batch < min_batch:
-        raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
-    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    with stopped(prior):  # a trace on a thread ends with the probe, even one that raised before searching
+        backend = backend if backend is not None else make_backend()
+        for name, value in (("max_batch", max_batch), ("min_batch", min_batch)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
+        capacity = backend.capacity()
+        headroom_bytes = resolve_headroom(headroom, capacity)
+        owned = not isinstance(workload.model, torch.nn.Module)
+        with kept_rng():  # the factory's weight init must not move the caller's RNG
+            model = workload.model() if owned else workload.model
+        if not isinstance(model, torch.nn.Module):
+            raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
+        require_materialized(model)
+        if min_batch is None:
+            min_batch = min_batch_for(model)
+        if max_batch is not None and max_batch < min_batch:
+            raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
-    def run(batch: int) -> Trial:
-        trial = training_trial(workload, lent, backend, batch)
-        if on_trial is not None:
-            on_trial(trial)
-        return trial
+        def run(batch: int) -> Trial:
+            trial = training_trial(workload, lent, backend, batch)
+            if on_trial is not None:
+                on_trial(trial)
+            return trial
 
-    # Each trial's release() collects garbage: with the heap frozen it walks only what the probe made.
-    with frozen_heap(), ExitStack() as stack:
-        try:
-            lent = stack.enter_context(
-                borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
-        except Exception as exc:
-            error = weights_error(exc, backend, "the model's weights")
-            if error is exc:
-                raise
-            raise error from exc
-        outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
-        lent = None
-    if owned:
-        del model, lent
-    backend.release()  # a full collection again, the model built here included
-    return result_from_search(
-        outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
-        workload=workload.name, fix="use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, a smaller model or a larger device",
-        gradient_bytes=gradient_bytes, extra=prior_report(prior),
-    )
+        # Each trial's release() collects garbage: with the heap frozen it walks only what the probe made.
+        with frozen_heap(), ExitStack() as stack:
+            try:
+                lent = stack.enter_context(
+                    borrowed_model(model, backend.device, grad_checkpointing=workload.grad_checkpointing))
+            except Exception as exc:
+                error = weights_error(exc, backend, "the model's weights")
+                if error is exc:
+                    raise
+                raise error from exc
+            outcome = search_max(run, capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
+            lent = None
+        if owned:
+            del model, lent
+        backend.release()  # a full collection again, the model built here included
+        return result_from_search(
+            outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
+            workload=workload.name, fix="use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, a smaller model or a larger device",
+            gradient_bytes=gradient_bytes, extra=prior_report(prior),
+        )
 
 
 def result_from_search(outcome: SearchOutcome, backend: MemoryBackend, *, capacity: int, headroom_bytes: int, min_batch: int,

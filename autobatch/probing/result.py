@@ -110,7 +110,8 @@ class BatchResult:
         cost = f"traced at batches {traced} in {said.get('seconds', 0):.1f} s" if traced else "traced nothing"
         if said["led"]:
             beside = said.get("from_trial")
-            when = f" from trial {beside + 1} on (traced beside the trials: {cost})" if beside is not None else f" ({cost})"
+            how = "between" if said.get("between") else "beside"
+            when = f" from trial {beside + 1} on (traced {how} the trials: {cost})" if beside is not None else f" ({cost})"
             return f"led by the fake-tensor trace{when}; the answer rests on the trials"
         if said.get("failure"):
             return f"the trace stopped ({said['failure']}; {cost}): the trials searched on alone"

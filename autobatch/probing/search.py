@@ -37,9 +37,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .memory_curve import Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch
+from .pending import Pending
 from .trials_alone import REACH, TrialsAlone
 from .trial import Trial
 
@@ -92,15 +92,21 @@ class _Search:
         self.resident: int | None = None
         self.trials: list[Trial] = []
         self.last: Trial | None = None  # the last trial learned from
-        self.pending: Any = None  # a prior traced beside the trials, until it is ready (see adopt)
+        self.pending: Pending | None = None  # a prior traced on a thread, until it is ready (see adopt)
         self.alone = TrialsAlone()  # what leads without a prior
         self.local = False  # a smooth prior failed: calibrate it near the boundary (memory_curve.calibrate)
 
     def adopt(self) -> None:
-        """Take a prior traced beside the trials once it is ready: it leads from the next trial on."""
-        if self.pending is not None and self.pending.ready():
-            self.prior, self.pending = self.pending, None
-            self.prior.from_trial = len(self.trials)
+        """Take a prior traced on a thread once it is ready: it leads from the next trial on."""
+        if self.pending is not None and (ready := self.pending.take(len(self.trials))) is not None:
+            self.prior, self.pending = ready, None
+
+    def waited(self, batch: int) -> bool:
+        """Whether the trace still running was let end before a trial at ``batch``, and leads now."""
+        if self.pending is None or not self.pending.wait_before(batch):
+            return False
+        self.adopt()
+        return self.prior is not None
 
     @property
     def upper(self) -> int:
@@ -111,7 +117,7 @@ class _Search:
         return self.lo >= self.upper
 
     def attempt(self, batch: int) -> bool:
-        trial = self.run(batch)
+        trial = self.run(batch) if self.pending is None else self.pending.timed(self.run, batch)
         self.trials.append(trial)
         return self.learn(trial)
 
@@ -222,7 +228,10 @@ class _Search:
             self.adopt()
             if self.prior is None:
                 width = self.upper - self.lo
-                self.attempt(self.alone.next(self))
+                batch = self.alone.next(self)
+                if self.waited(batch):
+                    continue  # the trace, done sooner than this trial would have been, leads it
+                self.attempt(batch)
                 self.alone.tried(self, width)
                 continue
             if drop is not None:
@@ -375,7 +384,7 @@ def search_max(
     # A prior traced beside the trials (it has ready() and stop()) leads once it is ready.
     beside = prior if callable(getattr(prior, "ready", None)) else None
     search = _Search(run, capacity, min_batch, cap, None if isinstance(prior, NoTrace) or beside else prior)
-    search.pending = beside
+    search.pending = None if beside is None else Pending(beside)
     if fails_at is not None:
         search.hi = max(min_batch, fails_at)
     try:

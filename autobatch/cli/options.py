@@ -179,8 +179,9 @@ GpusHere = Annotated[int | None, typer.Option(
 NoCache = Annotated[bool, typer.Option("--no-cache", help="Probe again even when a result for this setup is cached.")]
 NoTracePrior = Annotated[bool, typer.Option(
     "--no-trace-prior",
-    help="By default a fake-tensor trace of the training step leads the search (fewer trials, the same exact "
-         "max batch). This searches with real trials alone; the safe batch, predicted between trials, may "
+    help="By default a fake-tensor trace of the training step leads the search once it is ready (fewer trials, "
+         "the same exact max batch; on the CPU it runs between the trials, never longer than they took). "
+         "This searches with real trials alone; the safe batch, predicted between trials, may "
          "differ by a few. A cached answer is shown as it is: add --no-cache to search again.",
 )]
 PlotOut = Annotated[str | None, typer.Option(

@@ -23,6 +23,10 @@ from tests.emulated_cuda import emulated_cuda  # noqa: F401 - the fixture
 from tests.tiny import mlp, mlp_workload
 
 
+def no_trace_thread() -> bool:
+    return not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+
+
 def oracle(b: int) -> Trial:
     return Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
 
@@ -84,7 +88,7 @@ def test_a_trace_still_running_when_the_search_ends_is_cancelled_and_never_waite
     outcome = search_max(oracle, 1000, prior=prior)
     assert outcome.max_batch == 128 and batches(outcome) == [1, 25, 128, 129]
     assert time.perf_counter() - start < 5 and prior.cancelled
-    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    assert no_trace_thread()
     record = prior_report(prior)["trace_prior"]
     assert record["led"] is False and record["reason"] == NOT_READY and record["failure"] is None
 
@@ -110,7 +114,7 @@ def test_on_a_real_probe_the_trace_beside_leads_and_leaves_nothing_behind():
     assert result.max_batch == alone.max_batch
     record = result.trace_record
     assert record["led"] is True and record["from_trial"] >= 1 and len(result.trials) <= len(alone.trials)
-    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    assert no_trace_thread()
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -126,7 +130,7 @@ def test_find_on_a_gpu_traces_beside_its_trials(emulated_cuda):  # noqa: F811 - 
     finding = find_plan(mlp_workload(), backend=CudaBackend(), max_batch=256, headroom=0)
     record = finding.probe.trace_record
     assert "from_trial" in record and record["failure"] is None
-    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    assert no_trace_thread()
 
 
 def test_the_examples_run():
@@ -168,7 +172,7 @@ def test_a_trace_between_cheap_trials_never_runs_longer_than_they_took_and_says_
     prior = background.TracedBetween(GuardedPrior(endless, "endless"), [1])
     outcome = search_max(slow_trial, 1000, prior=prior)
     assert batches(outcome) == [1, 25, 128, 129] and prior.cancelled
-    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    assert no_trace_thread()
     record = prior_report(prior)["trace_prior"]
     assert record["led"] is False and record["between"] is True
     assert record["reason"].startswith("the trials were cheaper than the trace: they ended the search in ")
@@ -220,12 +224,12 @@ def test_find_on_a_simulated_budget_traces_between_its_trials():
     finding = find_plan(mlp_workload(), backend=autobatch.SimulatedBackend("2MiB"), max_batch=256, headroom=0)
     record = finding.probe.trace_record
     assert record["between"] is True and (record["led"] or record["reason"].startswith("the trials were cheaper"))
-    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    assert no_trace_thread()
 
 
 def test_a_trace_between_never_lent_time_leaves_no_thread_behind():
     prior = background.between(mlp_workload())  # made, then never used (a probe that raised before searching)
     assert isinstance(prior, background.TracedBetween) and not prior.ready()
-    assert not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate())
+    assert no_trace_thread()
     prior.stop()
     assert prior_report(prior)["trace_prior"]["reason"].startswith("the trials were cheaper than the trace")

@@ -26,6 +26,7 @@ from ..modelinfo import min_batch_for
 from ..probing.backends import DeviceInfo, MemoryBackend
 from ..probing.heap import frozen_heap
 from ..probing.oom import is_oom_error
+from ..probing.pending import stopped
 from ..probing.preserve import borrowed_model
 from ..probing.probe import (
     DEFAULT_HEADROOM,
@@ -233,7 +234,7 @@ def probe_distributed(
                 agree_on_errors(comm, error, "wrapping the model in DistributedDataParallel")
             if chosen is not None:  # each sharded trial wraps its own copy: the model waits in host memory
                 stack.enter_context(off_the_gpu(model))
-            try:
+            with stopped(prior):  # a trace on its thread (asked in lockstep, it ran when first asked) ends here
                 outcome = search_max(lambda b: run(b, net), capacity, min_batch=min_batch, max_batch=max_batch,
                                      prior=agreed_prior(comm, prior))
                 own = None if not each_rank or outcome.max_batch == 0 else own_limits(
@@ -241,9 +242,6 @@ def probe_distributed(
                     local_trials[rank], capacity=backend.capacity(), headroom=headroom, min_batch=min_batch,
                     max_batch=max_batch, lockstep=chosen is not None, prior=prior,
                     timed=backend.device.type == "cuda")
-            finally:
-                if callable(getattr(prior, "stop", None)):
-                    prior.stop()  # a trace on its thread (asked in lockstep, it ran when first asked) ends here
             net = None  # the wrapper's gradient buckets die with the last reference
     if owned:
         del model

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .memory_curve import Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch
-from .pending import Pending
+from .pending import Pending, stopped
 from .trials_alone import REACH, TrialsAlone
 from .trial import Trial
 
@@ -387,8 +387,5 @@ def search_max(
     search.pending = None if beside is None else Pending(beside)
     if fails_at is not None:
         search.hi = max(min_batch, fails_at)
-    try:
+    with stopped(beside):
         return search.search([t for t in known if min_batch <= t.batch <= cap])
-    finally:
-        if beside is not None:
-            beside.stop()

@@ -171,13 +171,23 @@ def test_fsdp_and_zero_on_fake_tensors_take_the_same_trials_as_real_steps() -> N
         assert [(t.batch, t.fits) for t in real.trials] == [(1, True), (2, False)]
 
 
-def test_zero2_in_bf16_on_fake_tensors_steps_its_optimizer_as_real_steps_do() -> None:
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_zero2_in_low_precision_on_fake_tensors_steps_its_optimizer_as_real_steps_do(dtype) -> None:
     """ZeRO-1/2 read an overflow byte before each step; a trace read it as one and skipped every step,
-    so the estimate held no optimizer state and answered 7 where 5 is the largest that fits."""
+    so the estimate held no optimizer state and answered 7 where 5 is the largest that fits.
+
+    In fp16 DeepSpeed's CPU accelerator refused the config outright ("Type fp16 is not supported on
+    your device"), so neither a trace nor a simulated budget could run the fp16 path a GPU runs
+    (loss scaler, fp32 master shards): both run it now, alike byte for byte, and the accelerator
+    says what it said before once the trial is over."""
     need("deepspeed")
-    fake, real = sharded_jobs.fake_and_real("zero2", 200_000, dtype="bf16")
+    from deepspeed.accelerator import get_accelerator
+
+    supported = get_accelerator().is_fp16_supported()
+    fake, real = sharded_jobs.fake_and_real("zero2", 200_000, dtype=dtype)
     assert real.max_batch == fake.max_batch == 5
     assert fake.extra["sharding"]["per_rank"]["optimizer_state"] > 0
+    assert get_accelerator().is_fp16_supported() == supported
 
 
 def test_a_sharded_estimate_takes_the_allocator_overheads_off_the_card_as_one_gpus_does() -> None:

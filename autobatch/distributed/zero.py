@@ -233,6 +233,21 @@ class _Globals:
             self.accelerator.append((accelerator, method))
             setattr(accelerator, method, stand_in)
 
+    def fp16_on_host(self, device: torch.device, config: Mapping[str, Any]) -> None:
+        """DeepSpeed's CPU accelerator says fp16 is unsupported, and ``initialize`` refuses an fp16 config
+        on it ("Type fp16 is not supported on your device"). On a GPU it is: where the step runs on the
+        CPU to stand for one (a simulated budget, a fake-tensor trace), the accelerator says so until
+        :meth:`destroy`, and the engine builds the fp16 path the GPU would run (loss scaler, fp32 master)."""
+        if device.type == "cuda" or not (config.get("fp16") or {}).get("enabled"):
+            return
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if accelerator.is_fp16_supported():
+            return
+        self.accelerator.append((accelerator, "is_fp16_supported"))
+        accelerator.is_fp16_supported = lambda: True
+
     def set_local_rank(self, device: torch.device) -> None:
         """DeepSpeed takes ``LOCAL_RANK`` for its device (``set_device(LOCAL_RANK)``): the GPU probed,
         whatever the launcher set (srun and mpirun set none); put back as it was by :meth:`destroy`."""
@@ -338,6 +353,7 @@ def wrap_deepspeed(model: torch.nn.Module, strategy: Strategy, workload: Workloa
     saved_globals = _Globals()
     saved_globals.set_local_rank(device)
     saved_globals.gpu_apart(device)
+    saved_globals.fp16_on_host(device, config)
     if dist.get_backend() == "fake":
         saved_globals.skip_rank_checks()
     mpu = None if group is None else _DataParallelOnly(group)

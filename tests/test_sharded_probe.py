@@ -185,7 +185,7 @@ def test_zero2_in_low_precision_on_fake_tensors_steps_its_optimizer_as_real_step
 
     supported = get_accelerator().is_fp16_supported()
     fake, real = sharded_jobs.fake_and_real("zero2", 200_000, dtype=dtype)
-    assert real.max_batch == fake.max_batch == 5
+    assert real.max_batch == fake.max_batch == 7  # 5 under an autocast DeepSpeed's frameworks never run
     assert fake.extra["sharding"]["per_rank"]["optimizer_state"] > 0
     assert get_accelerator().is_fp16_supported() == supported
 
@@ -207,3 +207,34 @@ def test_a_sharded_estimate_takes_the_allocator_overheads_off_the_card_as_one_gp
     top = {t.batch: t for t in result.trials}
     assert top[result.max_batch].reserved_bytes <= budget < top[result.max_batch + 1].reserved_bytes
     assert result.max_batch < bare.max_batch
+
+
+class _Seen(torch.nn.Module):
+    """Two blocks that note, at each forward, whether autocast is on and what dtype their input is."""
+
+    seen: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(sharded_jobs.Block(), sharded_jobs.Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Seen.seen.append((torch.is_autocast_enabled("cpu"), x.dtype))
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("strategy, dtype, autocast, given", [
+    ("zero2", "bf16", False, torch.bfloat16), ("zero3", "fp16", False, torch.float16),
+    ("fsdp2", "bf16", True, torch.bfloat16)])
+def test_deepspeed_trains_its_precision_as_its_engine_with_no_autocast(strategy, dtype, autocast, given) -> None:
+    """accelerate, the HF Trainer and Lightning run DeepSpeed's bf16/fp16 as the engine's weights in that dtype,
+    with no autocast, and cast the batch's floats to it; FSDP's mixed precision runs under autocast (its policy
+    casts the inputs). Under an autocast the engine never has, softmax, norms and losses save float32
+    activations it does not."""
+    if strategy != "fsdp2":
+        need("deepspeed")
+    _Seen.seen.clear()
+    result = probe_sharded(autobatch.Workload(_Seen, sharded_jobs.batch, dtype=dtype), SimulatedBackend(400_000),
+                           strategy, 2, max_batch=2)
+    assert result.max_batch == 2 and _Seen.seen
+    assert set(_Seen.seen) == {(autocast, given)}

@@ -30,7 +30,7 @@ from ..probing.backends import MemoryBackend
 from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import enable_checkpointing
 from ..probing.progress import working
-from ..probing.trial import PhasePeaks, Trial, batch_on, drain_autograd
+from ..probing.trial import PhasePeaks, Trial, batch_on, drain_autograd, to_device
 from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
 from .fence import TrialFence
@@ -154,9 +154,22 @@ def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.d
     batch = batch_on(workload, batch_size, device)
     dtype = resolve_dtype(workload.dtype)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
+    engine = engine_dtype(wrapped.config)
+    if engine is not None:
+        # DeepSpeed's bf16/fp16 is its engine's: the weights in that dtype and no autocast (accelerate, the
+        # HF Trainer and Lightning all run it so), the batch's floating-point tensors cast to it as they cast them.
+        batch, autocast = to_device(batch, device, engine), nullcontext()
     with autocast:
         loss = step_loss(workload.loss_fn, wrapped.module, batch)
     wrapped.backward(loss)
+
+
+def engine_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype a DeepSpeed config trains its engine in (``None``: fp32, or not DeepSpeed)."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if (config.get(key) or {}).get("enabled"):
+            return dtype
+    return None
 
 
 def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,

@@ -91,7 +91,16 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         return report
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):
         note(FALLBACK_NOTE.format(uniform=report.plan))
+    zero = report.finding.probed_zero if report.finding is not None and len(report.rows) <= 1 else None
+    if zero and request.accelerate is not None and request.deepspeed is None:
+        note(PLUGIN_NOTE.format(accelerate=request.accelerate, size=zero.get("reduce_bucket_size", "DeepSpeed's")))
     return _written(report, into=written, notes=notes)
+
+
+# accelerate's DeepSpeed plugin (an accelerate file without a DeepSpeed file) has no key for a bucket size.
+PLUGIN_NOTE = ("{accelerate} trains ZeRO through accelerate's DeepSpeed plugin, which takes no bucket sizes: DeepSpeed's "
+               "own (a 500,000,000-element gradient bucket, 954 MiB a GPU in fp16) where the probe held {size}; "
+               "add --deepspeed ds.json and the accelerate config names that file, which holds the probed ones")
 
 
 def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | None = None) -> Report:

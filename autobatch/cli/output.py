@@ -31,14 +31,15 @@ def console(stderr: bool = False) -> Any:
 
 def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | None = None,
                script: str = "train.py", strategy: Any = None, precision: str | None = None,
-               grad_checkpointing: bool = False) -> list[str]:
+               grad_checkpointing: bool = False, probed_zero: dict[str, Any] | None = None) -> list[str]:
     """The HF, Lightning, torchrun (and accelerate) lines that run ``plan``, one per framework, with the
-    strategy, precision and checkpointing the batch was probed with."""
+    strategy, precision, checkpointing and ZeRO bucket sizes the batch was probed with."""
     from .. import accelerate_command, hf_flags, lightning_settings, torchrun_command
 
-    lightning = lightning_settings(plan, strategy=strategy, precision=precision)
+    lightning = lightning_settings(plan, strategy=strategy, precision=precision, probed_zero=probed_zero)
     trainer = ", ".join(f"{k}={v!r}" for k, v in lightning["trainer"].items())
-    flags = hf_flags(plan, deepspeed, strategy, precision=precision, grad_checkpointing=grad_checkpointing)
+    flags = hf_flags(plan, deepspeed, strategy, precision=precision, grad_checkpointing=grad_checkpointing,
+                     probed_zero=probed_zero)
     lines = [
         f"HF TrainingArguments: {shlex.join(flags)}",
         f"Lightning: Trainer({trainer}), DataLoader(batch_size={lightning['dataloader']['batch_size']})"

@@ -90,7 +90,8 @@ def write_plan_configs(
             ``per_device_eval_batch_size``.
         strategy: the strategy the micro batch was probed under; every file trains with it
             (DeepSpeed stage and offload, accelerate's FSDP or DeepSpeed plugin, HF ``fsdp``/``deepspeed``).
-        probed_zero: the ZeRO values (bucket sizes) the probe ran with, added to the DeepSpeed file.
+        probed_zero: the ZeRO values (bucket sizes) the probe ran with, added to the DeepSpeed file (and to
+            the HF arguments' DeepSpeed dict where no file is written).
         precision, grad_checkpointing: what the micro batch was probed with (``"bf16"``/``"fp16"``
             autocast; gradient checkpointing): every file trains with them, since the batch fits
             only so. An accelerate file's own ``mixed_precision``, which accelerate refuses beside
@@ -137,7 +138,7 @@ def write_plan_configs(
         # The user's other TrainingArguments (learning rate, output_dir, …) stay: only the plan's keys change,
         # and a way of sharding the plan replaces the other one (the Trainer refuses fsdp and deepspeed together).
         args = hf_training_args(plan, deepspeed, eval_batch=eval_batch, strategy=strategy, precision=precision,
-                                grad_checkpointing=grad_checkpointing)
+                                grad_checkpointing=grad_checkpointing, probed_zero=probed_zero)
         sharded_by = {"fsdp", "fsdp_config"} if "deepspeed" in args else {"deepspeed"} if "fsdp" in args else set()
         if precision in ("bf16", "fp16"):  # the Trainer refuses fp16 and bf16 both on
             sharded_by.add("fp16" if precision == "bf16" else "bf16")

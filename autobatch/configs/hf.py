@@ -20,7 +20,8 @@ __all__ = ["hf_training_args", "hf_flags", "hf_fsdp"]
 
 def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None, *,
                      eval_batch: int | None = None, strategy: Strategy | str | None = None,
-                     precision: str | None = None, grad_checkpointing: bool = False) -> dict[str, Any]:
+                     precision: str | None = None, grad_checkpointing: bool = False,
+                     probed_zero: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments``.
 
     Args:
@@ -29,9 +30,12 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
         eval_batch: Adds ``per_device_eval_batch_size`` (the probed evaluation batch, ``--eval``).
         strategy: The strategy the micro batch was probed under. FSDP adds ``fsdp`` and
             ``fsdp_config`` (version, block class); ZeRO without a DeepSpeed file adds ``deepspeed``
-            as a dict with its stage and offload (Trainer fills the ``"auto"`` values).
+            as a dict with its stage and offload (Trainer fills the ``"auto"`` batch values).
         precision, grad_checkpointing: what the micro batch was probed with (``"bf16"``/``"fp16"``
             autocast, gradient checkpointing): written too, since the batch fits only with them.
+        probed_zero: the ``zero_optimization`` values a ZeRO probe ran with (its bucket sizes), written
+            into that dict: without them DeepSpeed takes its own defaults (a 500,000,000-element
+            gradient bucket, 954 MiB a GPU in fp16), which the probe did not hold.
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -51,7 +55,7 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
         from .deepspeed import zero_section
 
         args["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                             "train_batch_size": "auto", "zero_optimization": zero_section(strategy)}
+                             "train_batch_size": "auto", "zero_optimization": zero_section(strategy, None, probed_zero)}
     if strategy is not None and strategy.is_fsdp:
         args.update(hf_fsdp(strategy))
     if precision in ("bf16", "fp16"):

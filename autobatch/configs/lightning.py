@@ -84,7 +84,7 @@ _PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true"
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
-def _strategy(plan: Plan, strategy: Any) -> str | LightningStrategy:
+def _strategy(plan: Plan, strategy: Any, probed_zero: dict[str, Any] | None = None) -> str | LightningStrategy:
     if strategy.name == "fsdp2":
         return LightningStrategy("ModelParallelStrategy", (("data_parallel_size", plan.world_size),
                                                            ("tensor_parallel_size", plan.model_parallel)))
@@ -93,6 +93,14 @@ def _strategy(plan: Plan, strategy: Any) -> str | LightningStrategy:
         if strategy.unit:
             return LightningStrategy("FSDPStrategy", (("auto_wrap_policy", Units([strategy.unit])), *offload))
         return "fsdp_cpu_offload" if offload else "fsdp"
+    if strategy.is_deepspeed and probed_zero:
+        # Lightning's DeepSpeed defaults are not the probe's: 200,000,000-element buckets, two of them
+        # (overlap_comm), and DeepSpeed's own for ZeRO-3's prefetch and persistence. The probed values
+        # as its config, which Lightning then takes whole.
+        from .deepspeed import zero_section
+
+        config = {"zero_allow_untested_optimizer": True, "zero_optimization": zero_section(strategy, None, probed_zero)}
+        return LightningStrategy("DeepSpeedStrategy", (("config", config),))
     if strategy.offload is None:
         return _STRATEGY[strategy.name]
     if (strategy.name, strategy.offload) in _STRATEGY:
@@ -117,10 +125,13 @@ def _configure_model(strategy: Any, precision: str | None) -> str:
     return said
 
 
-def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | None = None) -> dict[str, Any]:
+def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | None = None,
+                       probed_zero: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"trainer": Trainer kwargs, "dataloader": DataLoader kwargs}`` for the plan, with the strategy
     and precision the micro batch was probed under (the batch fits only with them). Under FSDP2, a
-    ``"configure_model"`` line too: what the LightningModule's ``configure_model`` applies.
+    ``"configure_model"`` line too: what the LightningModule's ``configure_model`` applies. Under ZeRO
+    with ``probed_zero`` (the ``zero_optimization`` values the probe ran with), ``DeepSpeedStrategy``
+    takes them as its config; Lightning's registry names would train with its own bucket sizes.
 
     Example:
         >>> from autobatch.planning.plan import Plan
@@ -134,7 +145,7 @@ def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | Non
         "num_nodes": plan.nodes,
     }
     if strategy is not None:
-        trainer["strategy"] = _strategy(plan, strategy)
+        trainer["strategy"] = _strategy(plan, strategy, probed_zero)
     if precision in _PRECISION and not (strategy is not None and strategy.name == "fsdp2" and precision == "fp16"):
         trainer["precision"] = _PRECISION[precision]
     settings: dict[str, Any] = {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch}}

@@ -1,0 +1,87 @@
+"""Every file and line written for a ZeRO plan trains with the DeepSpeed config the probe ran.
+
+The probe wraps the model with ``zero_config`` (``autobatch/distributed/zero.py``): bucket sizes from the
+model's hidden size, as the HF Trainer fills ``"auto"``. Left to themselves the frameworks take other
+sizes: DeepSpeed's own (a 500,000,000-element gradient bucket, 954 MiB a GPU in fp16) where a config
+names none, Lightning's ``"deepspeed_stage_N"`` two buckets of 200,000,000 (``overlap_comm``). Each output
+is read here by its own library, and DeepSpeed resolves what it holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autobatch.configs import deepspeed_config, hf_training_args, lightning_settings
+from autobatch.planning.solver import solve
+from autobatch.strategy import parse_strategy
+from tests.extras import need
+
+CASES = [("zero1", None), ("zero2", None), ("zero3", None), ("zero2", "optimizer"), ("zero3", "optimizer"),
+         ("zero3", "params")]
+
+
+def _resolved(zero: dict) -> dict:
+    """DeepSpeed's own reading of a ``zero_optimization`` section, defaults filled (pinned host memory aside)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    resolved = DeepSpeedZeroConfig(**zero).model_dump()
+    for key in ("offload_optimizer", "offload_param"):
+        if isinstance(resolved.get(key), dict):
+            resolved[key].pop("pin_memory", None)
+    return resolved
+
+
+@pytest.mark.parametrize("name, offload", CASES)
+def test_hf_lightning_and_the_deepspeed_file_train_with_the_buckets_the_probe_ran(name, offload, tmp_path):
+    need("deepspeed")
+    need("lightning")
+    need("transformers")
+    from lightning.pytorch.strategies import StrategyRegistry
+    from transformers import TrainingArguments
+
+    from autobatch.distributed.zero import zero_config
+
+    strategy = parse_strategy(name, offload)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 8))  # hidden size 96
+    ran = zero_config(model, strategy, batch=2, world_size=8, dtype="bf16")["zero_optimization"]
+    assert ran["reduce_bucket_size"] == 96 * 96
+    plan = solve(32, 8, 1, max_micro=2)
+
+    hf = hf_training_args(plan, strategy=strategy, probed_zero=ran)["deepspeed"]
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=hf, report_to=[])
+    hf_zero = args.hf_deepspeed_config.config["zero_optimization"]  # as the Trainer hands it to DeepSpeed
+    setting = lightning_settings(plan, strategy=strategy, precision="bf16", probed_zero=ran)["trainer"]["strategy"]
+    lightning_zero = setting.build().config["zero_optimization"]
+    file_zero = deepspeed_config(plan, strategy=strategy, probed_zero=ran)["zero_optimization"]
+    for written in (hf_zero, lightning_zero, file_zero):
+        assert _resolved(written) == _resolved(ran)
+
+    # Without the probed values each framework takes sizes the probe never held (what was written before).
+    bare_hf = hf_training_args(plan, strategy=strategy)["deepspeed"]["zero_optimization"]
+    bare = lightning_settings(plan, strategy=strategy, precision="bf16")["trainer"]["strategy"]
+    bare_lightning = (bare.build() if not isinstance(bare, str) else StrategyRegistry.get(bare)).config
+    assert _resolved(bare_hf)["reduce_bucket_size"] == 500_000_000
+    assert _resolved(bare_lightning["zero_optimization"]) != _resolved(ran)
+
+
+def test_an_accelerate_file_without_a_deepspeed_file_says_its_plugin_takes_deepspeeds_buckets(tmp_path):
+    """accelerate's DeepSpeed plugin has no key for a bucket size: the answer says so and how to carry them."""
+    need("deepspeed")
+    import yaml
+
+    from autobatch import Request, answer
+
+    common = dict(model="tiny-mlp", gpu_memory="600MiB", gpus_per_node=4, strategy="zero2", estimate=True, target=64)
+    alone = answer(Request(**common, accelerate=tmp_path / "alone.yaml"))
+    said = [n for n in alone.notes if "DeepSpeed plugin" in n]
+    size = alone.finding.probed_zero["reduce_bucket_size"]
+    assert len(said) == 1 and f"the probe held {size}" in said[0] and "--deepspeed ds.json" in said[0]
+    assert yaml.safe_load((tmp_path / "alone.yaml").read_text())["deepspeed_config"]["zero_stage"] == 2
+
+    both = answer(Request(**common, accelerate=tmp_path / "acc.yaml", deepspeed=tmp_path / "ds.json"))
+    assert not [n for n in both.notes if "DeepSpeed plugin" in n]
+    named = yaml.safe_load((tmp_path / "acc.yaml").read_text())["deepspeed_config"]["deepspeed_config_file"]
+    import json
+
+    assert json.loads(open(named).read())["zero_optimization"]["reduce_bucket_size"] == size

@@ -85,3 +85,15 @@ def test_an_accelerate_file_without_a_deepspeed_file_says_its_plugin_takes_deeps
     import json
 
     assert json.loads(open(named).read())["zero_optimization"]["reduce_bucket_size"] == size
+
+
+@pytest.mark.parametrize("strategy", [None, "fsdp2"])
+def test_an_estimate_reports_each_trial_as_a_probe_does(strategy):
+    """answer(on_trial=...) hears every trial of an estimate too, sharded or not, in the order they ran:
+    the published benchmark reads the peak of a batch that does not fit from it."""
+    from autobatch import Request, answer
+
+    seen = []
+    report = answer(Request(model="tiny-mlp", gpu_memory="600MiB", gpus_per_node=2, strategy=strategy,
+                            estimate=True, max_micro=64), on_trial=seen.append)
+    assert seen and [t.batch for t in seen] == [t.batch for t in report.finding.probe.trials]

@@ -84,7 +84,7 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
                      model_parallel=request.model_parallel, base_lr=request.base_lr, base_batch=request.base_batch)
         return _written(Report(request, plan), into=written)
     if request.mode == "estimate":
-        report = _estimate(request, note)
+        report = _estimate(request, note, on_trial)
     else:
         report = _probe(request, note, on_trial)
     if not report.main_rank:
@@ -123,7 +123,7 @@ def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | 
     return replace(report, written=dict(written), changes=tuple(changes), notes=tuple(notes or report.notes))
 
 
-def _estimate(request: Request, note: Note) -> Report:
+def _estimate(request: Request, note: Note, on_trial: Callable[[Any], None] | None = None) -> Report:
     """No GPU to probe, or a named one: the same steps traced on fake tensors for ``request``'s GPU."""
     from ..estimating.estimate import estimate
     from ..estimating.gpus import resolve_gpu
@@ -141,7 +141,7 @@ def _estimate(request: Request, note: Note) -> Report:
              "with fp16 or fp32 (--dtype fp16)")
     gpus = request.gpus_here()
     if request.strategies is not None:
-        rows = estimate_strategy_rows(request, spec)
+        rows = estimate_strategy_rows(request, spec, on_trial=on_trial)
         plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
         return Report(request, plan, rows=tuple(rows), gpu=spec)
     overheads = estimate_overheads(request)
@@ -150,7 +150,8 @@ def _estimate(request: Request, note: Note) -> Report:
         plan = table.plan(gpus_per_node=gpus, **request.planning())
         return Report(request, plan, lengths=table, gpu=spec)
     result = estimate(estimate_workload(request), spec, overheads=overheads, headroom=request.headroom, max_batch=request.max_micro,
-                      min_batch=request.min_micro, data_parallel=gpus * request.nodes // max(1, request.model_parallel))
+                      min_batch=request.min_micro, data_parallel=gpus * request.nodes // max(1, request.model_parallel),
+                      on_trial=on_trial)
     plan = None
     if request.target is not None:
         plan = solve(request.target, gpus, request.nodes, result.safe_batch, min_micro=result.min_batch,

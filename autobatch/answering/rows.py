@@ -80,7 +80,7 @@ def strategy_rows(request: Request, setup: Setup, *, on_trial: Callable[[Any], N
     return found
 
 
-def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]:
+def estimate_strategy_rows(request: Request, spec: Any, *, on_trial: Callable[[Any], None] | None = None) -> list[Finding | NoFit]:
     """Rank 0 of W's sharded steps against ``spec``'s usable memory less the allocator's overheads, one row per
     strategy.
 
@@ -119,7 +119,7 @@ def estimate_strategy_rows(request: Request, spec: Any) -> list[Finding | NoFit]
         return workload, backends[apart]
 
     # The trials already run on fake tensors: a traced prior saves nothing.
-    return strategy_rows(request, setup, use_trace_prior=False, led=True)
+    return strategy_rows(request, setup, on_trial=on_trial, use_trace_prior=False, led=True)
 
 
 def estimate_overheads(request: Request) -> Any:

@@ -20,6 +20,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks/published_observations.json"
 COMMAND = "python -m benchmarks.published"
 
-__all__ = ["load", "lacks", "caveats", "optimizer_step", "grads_held", "predict", "run", "markdown", "main"]
+__all__ = ["load", "lacks", "caveats", "optimizer_step", "grads_held", "frozen", "predict", "run", "markdown", "main"]
 
 # Cards the catalogue does not hold, by their total memory (the context is the default 500 MiB).
 OTHER_CARDS = {"titan-rtx-24gb": "24GiB", "titan-x-12gb": "12GiB", "p100-16gb": "16280MiB"}
@@ -58,7 +59,7 @@ def caveats(obs: dict[str, Any]) -> list[str]:
     """Terms the run had that the estimate does not model (it still answers; the table says so)."""
     said = " ".join([obs.get("notes") or "", *obs.get("missing", [])])
     found = []
-    if "Alpaca" in said or "padded per batch" in said:
+    if obs.get("padding") == "longest":  # each batch padded to its longest sample, not to seq_len
         found.append("dynamic padding: its samples are shorter than the maximum the estimate takes")
     if "optimizer_in_bwd True" in said:
         found.append("the optimizer step fused into the backward")
@@ -112,6 +113,16 @@ def grads_held(obs: dict[str, Any]) -> bool:
     return (obs["grad_accum"] or 1) > 1 or _before_torch_2(obs)
 
 
+def frozen(model: Any, names: Any) -> Any:
+    """``model`` with the parameters of its submodules ``names`` frozen, as the run froze them (the seq2seq
+    examples' ``--freeze_embeds``: T5's shared embedding, and with it the LM head tied to it): they get
+    no gradients and no optimizer state."""
+    for name in names:
+        for param in model.get_submodule(name).parameters():
+            param.requires_grad_(False)
+    return model
+
+
 def _card(gpu: str) -> dict[str, str]:
     return {"gpu": CATALOGUE[gpu]} if gpu in CATALOGUE else {"gpu_memory": OTHER_CARDS[gpu]}
 
@@ -124,11 +135,15 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
     from autobatch.estimating.gpus import resolve_gpu
     from benchmarks.published_models import build
 
-    factory, make = build(obs["model"], obs["task_head"], obs.get("attention") or "sdpa")
+    built, make = build(obs["model"], obs["task_head"], obs.get("attention") or "sdpa", obs.get("target_len"))
     seq, image, batch = obs["seq_len"], obs["image_size"], obs["per_gpu_batch"]
     precision = obs["precision"] or "fp32"
     pure = {"bf16-pure": torch.bfloat16, "fp16-pure": torch.float16}.get(precision)
     dtype = {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision)
+
+    def factory() -> torch.nn.Module:
+        return frozen(built(), obs.get("frozen") or ())
+
     def model() -> torch.nn.Module:
         # Pure low-precision weights: built in that dtype (a cast after would swap tied weights).
         if pure is None:
@@ -165,17 +180,23 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
         except autobatch.NoBatchFitsError:
             pass
         return figures(seen[0])
-    request = autobatch.Request(model=model, make_batch=lambda b: make(b, seq, image), optimizer=_optimizer(obs),
-                                dtype=dtype or "fp32", grad_checkpointing=bool(obs["grad_checkpointing"]),
-                                strategy=STRATEGIES[obs["strategy"]], gpus_per_node=world, estimate=True,
-                                min_micro=batch, max_micro=batch, headroom=0,
-                                offload=obs.get("offload"),
-                                cuda_context=obs.get("context_bytes_measured"), **card)
-    try:
-        report = autobatch.answer(request)
-    except autobatch.NoBatchFitsError:
-        return figures(None)
-    return figures(next(t for t in report.rows[0].probe.trials if t.batch == batch))
+    with tempfile.TemporaryDirectory() as tmp:
+        written = {}
+        if obs.get("deepspeed"):  # the zero_optimization values the run's DeepSpeed config held, as a file to read
+            path = Path(tmp) / "ds.json"
+            path.write_text(json.dumps({"zero_optimization": obs["deepspeed"]}))
+            written = {"deepspeed": path, "target": batch * world}  # a file written needs a plan
+        request = autobatch.Request(model=model, make_batch=lambda b: make(b, seq, image), optimizer=_optimizer(obs),
+                                    dtype=dtype or "fp32", grad_checkpointing=bool(obs["grad_checkpointing"]),
+                                    strategy=STRATEGIES[obs["strategy"]], gpus_per_node=world, estimate=True,
+                                    min_micro=batch, max_micro=batch, headroom=0,
+                                    offload=obs.get("offload"),
+                                    cuda_context=obs.get("context_bytes_measured"), **card, **written)
+        try:
+            autobatch.answer(request, on_trial=seen.append)
+        except autobatch.NoBatchFitsError:
+            pass
+    return figures(next((t for t in seen if t.batch == batch), None))
 
 
 def _child(obs: dict[str, Any], timeout: int) -> dict[str, Any]:
@@ -282,9 +303,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = run(observations, args.timeout)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.merge:  # the record's other rows stay as they were run
+    if args.merge:  # the record's other rows keep their estimates; what each run is and lacks is read afresh
         again = {r["id"]: r for r in rows}
-        rows = [again.get(r["id"], r) for r in json.loads((out / "published.json").read_text())]
+        current = {o["id"]: o for o in load()}
+        rows = [again.get(r["id"]) or {**r, "obs": current[r["id"]], "caveats": caveats(current[r["id"]])}
+                for r in json.loads((out / "published.json").read_text())]
         argv = []
     shown = [a for i, a in enumerate(argv) if a != "--out" and not (i and argv[i - 1] == "--out")]
     (out / "published.md").write_text(markdown(rows, shown))

@@ -147,10 +147,17 @@ BUILDERS: dict[str, Callable[[str], tuple[Any, Any]]] = {
 }
 
 
-def build(model: str, head: str, attention: str = "sdpa") -> tuple[Any, Any]:
+def build(model: str, head: str, attention: str = "sdpa", target_len: int | None = None) -> tuple[Any, Any]:
     """``(factory, make_batch(b, seq_len, image_size))`` for a published run's model, or ``KeyError``;
-    ``attention`` is the implementation it ran (``"eager"`` keeps the probabilities, ``"sdpa"`` fuses)."""
-    factory, make_batch = BUILDERS[model](head)
+    ``attention`` is the implementation it ran (``"eager"`` keeps the probabilities, ``"sdpa"`` fuses).
+    A seq2seq run's labels (the decoder's tokens) are ``target_len`` long where given, else ``seq_len``."""
+    factory, make_source = BUILDERS[model](head)
+
+    def make_batch(b: int, seq: int | None, image: int | None) -> dict[str, torch.Tensor]:
+        batch = make_source(b, seq, image)
+        if head == "seq2seq" and target_len is not None:
+            batch["labels"] = make_source(b, target_len, image)["input_ids"]
+        return batch
 
     def built() -> torch.nn.Module:
         module = factory()

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from benchmarks import published
-from benchmarks.published_models import BUILDERS
+from benchmarks.published_models import BUILDERS, build
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVATIONS = published.load()
+BY_ID = {o["id"]: o for o in OBSERVATIONS}
+
+
+def _said(obs):
+    """What the record says of a run: its quote, notes, framework and gaps, and those of the run it is told as."""
+    text = " ".join([obs["quote"], obs.get("notes") or "", obs.get("framework") or "", *obs.get("missing", [])])
+    same = re.search(r"Same setup as ([\w.-]+?)[;.]? ", text)
+    return text + (" " + _said(BY_ID[same.group(1)]) if same else "")
 
 
 def test_at_least_twenty_observations_each_with_its_source_and_quote():
@@ -82,3 +91,52 @@ def test_a_context_is_taken_from_the_source_only_where_it_measured_one():
     for obs in measured:  # the HF docs page measured 1343 MB after torch.ones((1, 1)).to("cuda")
         assert "1343 MB after torch.ones" in obs["notes"] and obs["context_bytes_measured"] == 1343 * 2**20
 
+
+
+def test_a_seq2seq_run_trains_its_own_target_length_and_freezes_what_it_froze():
+    import transformers
+
+    for obs in OBSERVATIONS:
+        said_ = _said(obs)
+        # Every run that names its target length is estimated with it; every one that froze the embeddings, so.
+        targets = {int(n) for n in re.findall(r"max_target_length (\d+)", said_)}
+        assert (obs.get("target_len") is not None) == bool(targets) and obs.get("target_len") in targets | {None}, obs["id"]
+        assert (obs.get("frozen") == ["shared"]) == ("freeze_embeds" in said_), obs["id"]
+    blender = BY_ID["ds-blog-blenderbot-400m-zero2-fp16-bs200"]
+    _, make = build(blender["model"], blender["task_head"], "eager", blender["target_len"])
+    batch = make(3, blender["seq_len"], None)
+    assert batch["input_ids"].shape == (3, 128) and batch["labels"].shape == (3, 64)
+    # T5's LM head is tied to the shared embedding: freezing the one freezes the other, nothing else
+    config = transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=50)
+    model = published.frozen(transformers.T5ForConditionalGeneration(config), ["shared"])
+    still = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert not model.shared.weight.requires_grad and not model.lm_head.weight.requires_grad
+    assert still and all("shared" not in name and "embed_tokens" not in name for name in still)
+    assert sum(p.numel() for p in model.parameters() if not p.requires_grad) == 50 * 16
+
+
+def test_a_run_that_pads_each_batch_to_its_longest_sample_says_so():
+    for obs in OBSERVATIONS:
+        text = _said(obs)
+        per_batch = any(mark in text for mark in ("trims each batch", "dynamic padding", "padded per batch", "Alpaca",
+                                                  "finetune_trainer.py", "run_glue_no_trainer", "run_cls_no_trainer"))
+        padded = re.search(r"(?<!no )(?<!only with )--pad_to_max_length", text) is not None  # the flag, not its absence
+        assert obs["padding"] == ("max_length" if padded else "longest" if per_batch else None), obs["id"]
+        assert any("dynamic padding" in c for c in published.caveats(obs)) == (obs["padding"] == "longest"), obs["id"]
+
+
+def test_a_zero_run_is_estimated_with_the_buckets_its_deepspeed_config_held():
+    # What the source says the config held (or, for accelerate's plugin, which writes none, DeepSpeed's defaults).
+    from tests.extras import need
+
+    need("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    held = {o["id"]: o["deepspeed"] for o in OBSERVATIONS if o.get("deepspeed")}
+    assert set(held) == {"ds-blog-blenderbot-400m-zero2-fp16-bs200", "ds-blog-deberta-v2-xlarge-zero2-fp16-bs40"}
+    for name, zero in held.items():
+        obs = BY_ID[name]
+        resolved = DeepSpeedZeroConfig(**zero)
+        assert obs["strategy"] == f"zero{resolved.stage}", name
+        assert ("2e8" in obs["notes"]) == (resolved.reduce_bucket_size == 2e8) and "bucket" in obs["notes"], name
+        assert resolved.overlap_comm == ("overlap_comm" in obs["notes"] and "overlap_comm off" not in obs["notes"]), name

@@ -9,6 +9,9 @@ is read here by its own library, and DeepSpeed resolves what it holds.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,13 +81,11 @@ def test_an_accelerate_file_without_a_deepspeed_file_says_its_plugin_takes_deeps
     size = alone.finding.probed_zero["reduce_bucket_size"]
     assert len(said) == 1 and f"the probe held {size}" in said[0] and "--deepspeed ds.json" in said[0]
     assert yaml.safe_load((tmp_path / "alone.yaml").read_text())["deepspeed_config"]["zero_stage"] == 2
-
+    # With a DeepSpeed file beside it the accelerate config names that file, which holds them: no note.
     both = answer(Request(**common, accelerate=tmp_path / "acc.yaml", deepspeed=tmp_path / "ds.json"))
     assert not [n for n in both.notes if "DeepSpeed plugin" in n]
     named = yaml.safe_load((tmp_path / "acc.yaml").read_text())["deepspeed_config"]["deepspeed_config_file"]
-    import json
-
-    assert json.loads(open(named).read())["zero_optimization"]["reduce_bucket_size"] == size
+    assert json.loads(Path(named).read_text())["zero_optimization"]["reduce_bucket_size"] == size
 
 
 @pytest.mark.parametrize("strategy", [None, "fsdp2"])

@@ -92,7 +92,8 @@ Attention = Annotated[str | None, typer.Option(
 )]
 Dtype = Annotated[str, typer.Option(
     "--dtype", rich_help_panel=_MODEL,
-    help="fp32; bf16 or fp16 (autocast, fp32 weights); bf16-true or fp16-true (the weights, their gradients and "
+    help="fp32; bf16 or fp16 (autocast, fp32 weights; under ZeRO, DeepSpeed's engine: weights in that dtype beside "
+         "fp32 master shards, no autocast); bf16-true or fp16-true (the weights, their gradients and "
          "the optimizer's state in that dtype, as Lightning's bf16-true and torchtune train; not with ZeRO).",
 )]
 OptimizerName = Annotated[str, typer.Option(
@@ -161,7 +162,8 @@ OffloadOption = Annotated[str | None, typer.Option(
     "--offload", rich_help_panel=_PLAN,
     help="ZeRO: optimizer (its state in host memory) or params (ZeRO-3: the parameters too). "
          "FSDP: params (CPUOffloadPolicy, CPUOffload: the shards, their gradients and the optimizer step on the host). "
-         "In a list, each strategy that takes it.",
+         "In a list, each strategy that takes it. Estimated, or probed on a GPU: a simulated budget on the CPU "
+         "refuses it (the host it would offload to is the device).",
 )]
 FsdpUnitOption = Annotated[str | None, typer.Option(
     "--fsdp-unit", rich_help_panel=_PLAN, show_default="the transformer block",
@@ -202,13 +204,17 @@ CudaContext = Annotated[str | None, typer.Option(
     "model trained), and CUDA before 11.7 loads them all at start (1.31 GiB on a V100, CUDA 11.2).")]
 
 DeepSpeedOut = Annotated[str | None, typer.Option(
-    "--deepspeed", rich_help_panel=_OUT, help="Write the batch keys into this DeepSpeed JSON (its other keys are kept).",
+    "--deepspeed", rich_help_panel=_OUT,
+    help="Write the plan into this DeepSpeed JSON: the batch keys, and what the batch was probed with (the ZeRO "
+         "stage, offload and bucket sizes; bf16/fp16). Its other keys are kept.",
 )]
 AccelerateOut = Annotated[str | None, typer.Option(
     "--accelerate", rich_help_panel=_OUT, help="Write an accelerate config YAML here.",
 )]
 HfOut = Annotated[str | None, typer.Option(
-    "--hf", rich_help_panel=_OUT, help="Write HF TrainingArguments batch values (JSON) here.",
+    "--hf", rich_help_panel=_OUT,
+    help="Write HF TrainingArguments values (JSON) here: the batch, and what it was probed with (fsdp or deepspeed "
+         "with its stage, offload and bucket sizes; bf16/fp16; gradient checkpointing).",
 )]
 Script = Annotated[str, typer.Option(
     "--script", rich_help_panel=_OUT, help="Training script shown in the launch lines.",

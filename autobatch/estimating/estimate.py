@@ -40,7 +40,7 @@ from ..probing.trial import Trial, run_trial
 from ..probing.workload import Workload, make_optimizer, resolve_dtype, weights_dtype
 
 # An estimate's extra["trace_prior"]["reason"]: its trials are traces, there are no real ones to lead.
-IS_THE_TRACE = "an estimate's trials are the trace itself"
+IS_THE_TRACE = "every trial of an estimate is itself a trace on fake tensors, so no separate trace leads them"
 from ..units import format_bytes
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode, _ZeroScalars
 from .gpus import GpuSpec, resolve_gpu

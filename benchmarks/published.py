@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks/published_observations.json"
 COMMAND = "python -m benchmarks.published"
 
-__all__ = ["load", "lacks", "caveats", "optimizer_step", "grads_held", "frozen", "predict", "run", "markdown", "main"]
+__all__ = ["load", "lacks", "caveats", "optimizer_step", "grads_held", "frozen", "floor_bytes", "said", "predict", "run", "markdown", "main"]
 
 # Cards the catalogue does not hold, by their total memory (the context is the default 500 MiB).
 OTHER_CARDS = {"titan-rtx-24gb": "24GiB", "titan-x-12gb": "12GiB", "p100-16gb": "16280MiB"}
@@ -123,6 +123,23 @@ def frozen(model: Any, names: Any) -> Any:
     return model
 
 
+# Optimizer state a parameter keeps, in its own bytes: what any run with that optimizer holds from its first step.
+_STATE = {"adamw": 2, "adam": 2, "sgd": 1}
+
+
+def floor_bytes(model: Any, optimizer: str) -> int:
+    """The bytes a run holds at its peak whatever its batch, by hand: the weights, and the optimizer state of
+    the trainable ones (``adamw8bit``: bitsandbytes' block-wise sizes). A peak measured below it cannot
+    be of the setup the source states."""
+    from autobatch.probing.eight_bit import state_bytes
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "adamw8bit":
+        return weights + sum(state_bytes(p.numel()) for p in trainable)
+    return weights + _STATE.get(optimizer, 0) * sum(p.numel() * p.element_size() for p in trainable)
+
+
 def _card(gpu: str) -> dict[str, str]:
     return {"gpu": CATALOGUE[gpu]} if gpu in CATALOGUE else {"gpu_memory": OTHER_CARDS[gpu]}
 
@@ -165,12 +182,14 @@ def predict(obs: dict[str, Any]) -> dict[str, Any]:
         spec = replace(spec, context_bytes=obs["context_bytes_measured"])
     seen: list[Any] = []
     world = obs["world_size"] or 1
+    with torch.device("meta"):  # shapes and dtypes only
+        floor = floor_bytes(model(), obs["optimizer"] or "adamw") if obs["strategy"] == "single" else None
 
     def figures(trial: Any) -> dict[str, Any]:
         """The traced trial at the observed batch (``None``: nothing fit) on the run's card."""
         return {"fits": trial is not None and trial.fits, "reserved": trial and trial.reserved_bytes,
                 "allocated": trial and trial.peak_bytes, "context": spec.context_bytes,
-                "capacity": spec.total_bytes - spec.context_bytes}
+                "capacity": spec.total_bytes - spec.context_bytes, "floor": floor}
 
     if obs["strategy"] in ("single", "ddp"):
         try:
@@ -223,11 +242,21 @@ def _error(obs: dict[str, Any], got: dict[str, Any]) -> float | None:
     return (predicted - measured) / measured
 
 
+def said(obs: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    """What the table says beside a point's estimate: the terms its run had that the estimate lacks
+    (:func:`caveats`), and a measured peak below the floor its stated setup must hold (:func:`floor_bytes`)."""
+    found = caveats(obs)
+    if obs["outcome"] == "peak" and got.get("floor") and obs["peak_bytes_measured"] < got["floor"]:
+        found.append(f"its peak is below the {got['floor'] / 2**30:.2f} GiB the weights and the optimizer's "
+                     "state alone take: not the run as stated")
+    return found
+
+
 def run(observations: list[dict[str, Any]], timeout: int) -> list[dict[str, Any]]:
     rows = []
     for obs in observations:
         got = {"error": "; ".join(lacks(obs))} if lacks(obs) else _child(obs, timeout)
-        row = {"id": obs["id"], "obs": obs, "got": got, "peak_error": _error(obs, got), "caveats": caveats(obs)}
+        row = {"id": obs["id"], "obs": obs, "got": got, "peak_error": _error(obs, got), "caveats": said(obs, got)}
         if "fits" in got and obs["outcome"] in ("fit", "oom"):
             row["right"] = got["fits"] == (obs["outcome"] == "fit")
         elif "fits" in got:
@@ -306,7 +335,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.merge:  # the record's other rows keep their estimates; what each run is and lacks is read afresh
         again = {r["id"]: r for r in rows}
         current = {o["id"]: o for o in load()}
-        rows = [again.get(r["id"]) or {**r, "obs": current[r["id"]], "caveats": caveats(current[r["id"]])}
+        rows = [again.get(r["id"]) or {**r, "obs": current[r["id"]], "caveats": said(current[r["id"]], r["got"])}
                 for r in json.loads((out / "published.json").read_text())]
         argv = []
     shown = [a for i, a in enumerate(argv) if a != "--out" and not (i and argv[i - 1] == "--out")]

@@ -140,3 +140,20 @@ def test_a_zero_run_is_estimated_with_the_buckets_its_deepspeed_config_held():
         assert obs["strategy"] == f"zero{resolved.stage}", name
         assert ("2e8" in obs["notes"]) == (resolved.reduce_bucket_size == 2e8) and "bucket" in obs["notes"], name
         assert resolved.overlap_comm == ("overlap_comm" in obs["notes"] and "overlap_comm off" not in obs["notes"]), name
+
+
+def test_a_peak_below_what_its_stated_setup_must_hold_is_said():
+    import torch
+
+    model = torch.nn.Linear(64, 64)  # 4,096 weights and 64 biases in fp32: 16,640 bytes
+    assert published.floor_bytes(model, "adamw") == 16_640 + 2 * 16_640
+    assert published.floor_bytes(model, "sgd") == 2 * 16_640
+    # bitsandbytes: uint8 moments and an absmax per 256 for the 4,096 weights, float32 moments for the 64 biases
+    assert published.floor_bytes(model, "adamw8bit") == 16_640 + (2 * 4096 + 2 * 4 * 16) + 2 * 4 * 64
+    model.bias.requires_grad_(False)  # frozen: no state
+    assert published.floor_bytes(model, "adamw") == 16_640 + 2 * 16_384
+    obs = {**BY_ID["litgpt-phi-3-mini-full-a10g-mb4"]}
+    below = published.said(obs, {"floor": obs["peak_bytes_measured"] + 1})
+    assert any("below the" in s and "not the run as stated" in s for s in below)
+    assert not any("below the" in s for s in published.said(obs, {"floor": obs["peak_bytes_measured"]}))
+    assert not any("below the" in s for s in published.said({**obs, "outcome": "fit"}, {"floor": 1 << 40}))

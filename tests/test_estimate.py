@@ -158,7 +158,7 @@ def test_cli_estimate_plans_and_writes_deepspeed(tmp_path):
     assert said[0].startswith("note: these are estimates for t4")
     assert "= 224" in result.output
     assert json.loads(out.read_text())["train_batch_size"] == 224
-    data = json.loads(runner.invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu-memory", "2GiB", "--json"]).output)
+    data = json.loads(runner.invoke(app, ["estimate", "--model", "tiny-gpt2", "--gpu-memory", "2GiB", "--json"]).stdout)  # progress past 2 s goes to stderr
     assert data["estimated"] is True and data["gpu"]["vendor"] == "custom" and data["max_batch"] >= data["safe_batch"] > 0
 
 

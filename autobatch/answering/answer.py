@@ -91,7 +91,7 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         return report
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):
         note(FALLBACK_NOTE.format(uniform=report.plan))
-    zero = report.finding.probed_zero if report.finding is not None and len(report.rows) <= 1 else None
+    zero = report.probed_zero
     if zero and request.accelerate is not None and request.deepspeed is None:
         note(PLUGIN_NOTE.format(accelerate=request.accelerate, size=zero.get("reduce_bucket_size", "DeepSpeed's")))
     return _written(report, into=written, notes=notes)
@@ -111,9 +111,8 @@ def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | 
     written = {} if into is None else into
     changes: list[str] = []
     if plan is not None and len(report.rows) <= 1:
-        probed_zero = None if report.finding is None else report.finding.probed_zero
         write_plan_configs(plan, **request.outputs(), keep_auto=request.keep_auto, written=written, changes=changes,
-                           strategy=report.strategy, probed_zero=probed_zero, eval_batch=report.eval_batch,
+                           strategy=report.strategy, probed_zero=report.probed_zero, eval_batch=report.eval_batch,
                            **report.training())
     if request.plot is not None and report.finding is not None:
         from ..tuning.plot import plot_probe

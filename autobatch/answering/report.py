@@ -95,6 +95,11 @@ class Report:
         return (self.request.strategies or (None,))[0]
 
     @property
+    def probed_zero(self) -> dict[str, Any] | None:
+        """The ``zero_optimization`` values the one row's ZeRO probe ran with, which every file and line trains with."""
+        return None if self.finding is None else self.finding.probed_zero
+
+    @property
     def eval_batch(self) -> int | None:
         """The safe evaluation batch at the length trained at, when ``evaluation`` was asked."""
         if self.lengths is None or self.lengths.train_row.eval is None:

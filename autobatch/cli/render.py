@@ -42,8 +42,7 @@ def print_report(report: Any, *, as_json: bool) -> None:
 def _launch(report: Any) -> dict[str, Any]:
     request = report.request
     return dict(deepspeed=request.deepspeed, accelerate=request.accelerate, script=request.script,
-                strategy=report.strategy, probed_zero=None if report.finding is None else report.finding.probed_zero,
-                **report.training())
+                strategy=report.strategy, probed_zero=report.probed_zero, **report.training())
 
 
 def device_line(info: Any) -> str:

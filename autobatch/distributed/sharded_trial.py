@@ -35,6 +35,7 @@ from ..probing.workload import Workload, resolve_dtype, step_loss
 from ..strategy import Strategy
 from .fence import TrialFence
 from .sharding import Wrapped, is_fake, local_bytes, wrap_model
+from .zero import engine_dtype
 
 __all__ = ["MemoryBreakdown", "ShardedTrial", "run_sharded_trial", "off_the_gpu", "train_steps", "assemble", "wrap_copy",
            "quiet_wrappers"]
@@ -153,23 +154,15 @@ def _copy_model(template: torch.nn.Module, grad_checkpointing: bool, device: tor
 def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.device) -> None:
     batch = batch_on(workload, batch_size, device)
     dtype = resolve_dtype(workload.dtype)
-    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     engine = engine_dtype(wrapped.config)
     if engine is not None:
         # DeepSpeed's bf16/fp16 is its engine's: the weights in that dtype and no autocast (accelerate, the
         # HF Trainer and Lightning all run it so), the batch's floating-point tensors cast to it as they cast them.
-        batch, autocast = to_device(batch, device, engine), nullcontext()
+        batch, dtype = to_device(batch, device, engine), None
+    autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with autocast:
         loss = step_loss(workload.loss_fn, wrapped.module, batch)
     wrapped.backward(loss)
-
-
-def engine_dtype(config: dict[str, Any]) -> torch.dtype | None:
-    """The dtype a DeepSpeed config trains its engine in (``None``: fp32, or not DeepSpeed)."""
-    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        if (config.get(key) or {}).get("enabled"):
-            return dtype
-    return None
 
 
 def run_sharded_trial(workload: Workload, template: torch.nn.Module, strategy: Strategy, backend: MemoryBackend,

@@ -32,7 +32,7 @@ from .fence import groups_made_since, live_groups
 if TYPE_CHECKING:
     from .sharding import Wrapped
 
-__all__ = ["hidden_size", "auto_bucket_sizes", "zero_config", "wrap_deepspeed", "BUCKET_KEYS"]
+__all__ = ["hidden_size", "auto_bucket_sizes", "zero_config", "engine_dtype", "wrap_deepspeed", "BUCKET_KEYS"]
 
 BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
@@ -104,6 +104,15 @@ def zero_config(model: torch.nn.Module, strategy: Strategy, *, batch: int, world
     elif precision == torch.float16:
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return config
+
+
+def engine_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype a DeepSpeed config (as :func:`zero_config` writes it) trains its engine in (``None``: fp32,
+    or no DeepSpeed config)."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if (config.get(key) or {}).get("enabled"):
+            return dtype
+    return None
 
 
 def _deepspeed() -> Any:
@@ -238,7 +247,7 @@ class _Globals:
         on it ("Type fp16 is not supported on your device"). On a GPU it is: where the step runs on the
         CPU to stand for one (a simulated budget, a fake-tensor trace), the accelerator says so until
         :meth:`destroy`, and the engine builds the fp16 path the GPU would run (loss scaler, fp32 master)."""
-        if device.type == "cuda" or not (config.get("fp16") or {}).get("enabled"):
+        if device.type == "cuda" or engine_dtype(config) != torch.float16:
             return
         from deepspeed.accelerator import get_accelerator
 

@@ -79,7 +79,7 @@ def test_an_accelerate_file_without_a_deepspeed_file_says_its_plugin_takes_deeps
     alone = answer(Request(**common, accelerate=tmp_path / "alone.yaml"))
     said = [n for n in alone.notes if "DeepSpeed plugin" in n]
     size = alone.finding.probed_zero["reduce_bucket_size"]
-    assert len(said) == 1 and f"the probe held {size}" in said[0] and "--deepspeed ds.json" in said[0]
+    assert len(said) == 1 and f"the probe held reduce_bucket_size={size}" in said[0] and "--deepspeed ds.json" in said[0]
     assert yaml.safe_load((tmp_path / "alone.yaml").read_text())["deepspeed_config"]["zero_stage"] == 2
     # With a DeepSpeed file beside it the accelerate config names that file, which holds them: no note.
     both = answer(Request(**common, accelerate=tmp_path / "acc.yaml", deepspeed=tmp_path / "ds.json"))
@@ -98,3 +98,21 @@ def test_an_estimate_reports_each_trial_as_a_probe_does(strategy):
     report = answer(Request(model="tiny-mlp", gpu_memory="600MiB", gpus_per_node=2, strategy=strategy,
                             estimate=True, max_micro=64), on_trial=seen.append)
     assert seen and [t.batch for t in seen] == [t.batch for t in report.finding.probe.trials]
+
+
+def test_no_plugin_note_where_the_probe_ran_deepspeeds_own_buckets(tmp_path):
+    """A model with no hidden size (no config, no Linear) is probed with DeepSpeed's own bucket sizes, which
+    accelerate's plugin trains with too: nothing to say."""
+    need("deepspeed")
+    from autobatch import Request, answer
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 2, 3),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+
+    def make_batch(b):
+        return torch.randn(b, 3, 16, 16), torch.randint(0, 2, (b,))
+
+    report = answer(Request(model=model, make_batch=make_batch, gpu_memory="4GiB", gpus_per_node=4, strategy="zero2",
+                            estimate=True, target=64, accelerate=tmp_path / "acc.yaml"))
+    assert report.probed_zero and not [key for key in report.probed_zero if key.endswith("_size")]
+    assert not [n for n in report.notes if "DeepSpeed plugin" in n]

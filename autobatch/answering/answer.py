@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..configs import write_plan_configs
+from ..distributed.zero import BUCKET_KEYS
 from ..errors import AutobatchError, RequestError
 from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
 from ..planning.plan import Plan
@@ -91,15 +92,21 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         return report
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):
         note(FALLBACK_NOTE.format(uniform=report.plan))
-    zero = report.probed_zero
-    if zero and request.accelerate is not None and request.deepspeed is None:
-        note(PLUGIN_NOTE.format(accelerate=request.accelerate, size=zero.get("reduce_bucket_size", "DeepSpeed's")))
+    # Only where the probe held sizes of its own: a model with no hidden size ran DeepSpeed's, as the plugin will.
+    zero = report.probed_zero or {}
+    if any(key in zero for key in BUCKET_KEYS) and request.accelerate is not None and request.deepspeed is None:
+        note(PLUGIN_NOTE.format(accelerate=request.accelerate, held=_held(zero)))
     return _written(report, into=written, notes=notes)
+
+
+def _held(zero: dict[str, Any]) -> str:
+    """The bucket sizes a ZeRO probe held, as ``key=value`` pairs."""
+    return ", ".join(f"{key}={zero[key]}" for key in BUCKET_KEYS if key in zero)
 
 
 # accelerate's DeepSpeed plugin (an accelerate file without a DeepSpeed file) has no key for a bucket size.
 PLUGIN_NOTE = ("{accelerate} trains ZeRO through accelerate's DeepSpeed plugin, which takes no bucket sizes: DeepSpeed's "
-               "own (a 500,000,000-element gradient bucket, 954 MiB a GPU in fp16) where the probe held {size}; "
+               "own (a 500,000,000-element gradient bucket, 954 MiB a GPU in fp16) where the probe held {held}; "
                "add --deepspeed ds.json and the accelerate config names that file, which holds the probed ones")
 
 

@@ -24,7 +24,9 @@ Guards keep a wrong model cheap:
   fits, the batch just below its last step there is tried, then the step itself; where the
   prior is flat from the largest fit through the smallest failure it cannot tell those batches
   apart (a tensor it does not see grew): bisect; where a batch at one of its steps fits, the
-  batch after it is tried, once a search (a prior that rounds a tensor a batch early);
+  batch after it is tried, once a search (a prior that rounds a tensor a batch early); a prior
+  that falls as the batch grows jitters, and once the bracket is within eight times its jitter
+  (in batches) it is bisected;
 * **bisection**: when three model-led trials have not halved the bracket, or two failed running,
   bisect — geometrically while the failure is more than four times the largest fit.
 
@@ -51,6 +53,7 @@ _LOWER = 2.5             # after each miss the model aims this many times lower 
 _TRUSTED = 0.001         # a prior this close to the first trial is trusted without a margin
 _STALLS = 3               # model-led trials that did not halve the bracket before it is bisected
 _BACK = 4                 # a step back from a failure: a quarter of the model's last move or of the bracket, ×4 on
+_BLUR = 8                 # a prior that jitters by an eighth of the bracket or more cannot place the boundary in it
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,21 @@ class _Search:
             low, floor = (mid, floor) if prior(mid) == top else (low, mid)
         return low - 1 if low - 1 > self.lo else None
 
+    def blur(self) -> float:
+        """How many batches the prior is unsure by in the bracket: where it falls as the batch grows
+        (a booking off by a block at some batches), by its largest fall over its slope; 0 where it
+        does not fall from a batch to the next at either end of the bracket or in its middle (each
+        value of the prior a replay, the few it already has mostly)."""
+        prior, lo, hi = self.prior, self.lo, self.hi
+        if prior is None or hi is None or hi - lo < 2:
+            return 0.0
+        span, mid = hi - lo, (lo + hi) // 2
+        fall = max(max(0.0, prior(b) - prior(b + 1)) for b in {lo, mid, hi - 1})
+        if fall == 0:
+            return 0.0
+        slope = (prior(hi) - prior(lo)) / span
+        return fall / slope if slope > 0 else float(span)
+
     def reach(self) -> int:
         """The furthest batch one trial may try."""
         if self.prior is not None:
@@ -233,6 +251,11 @@ class _Search:
                     continue  # the trace, done sooner than this trial would have been, leads it
                 self.attempt(batch)
                 self.alone.tried(self, width)
+                continue
+            if self.hi is not None and self.upper - self.lo <= _BLUR * self.blur():
+                # A prior that jitters by an eighth of the bracket or more cannot place the boundary in it.
+                drop = back = None
+                self.attempt(self.clamp(self.bisect()))
                 continue
             if drop is not None:
                 batch, drop = self.clamp(drop), None

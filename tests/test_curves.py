@@ -117,8 +117,9 @@ def test_priors_wrong_as_a_trace_can_be_still_lead_to_the_exact_answer_in_few_tr
         assert row["largest tried ÷ answer"] <= 2.5, (name, row)
     # Every failure beyond the one that closes the bracket is a trial the prior misled: at most one
     # in two curves. A prior that steps a batch early is tried a batch past a step of it that fit
-    # (1.53 before, 1.20 now); one that misses a kink aims half the headroom low after it failed
-    # (1.64 before, 1.50 now: the rest is its first extrapolation past the kink, which no search
-    # that trusts a prior can see; 1.69 on the full grid, docs/benchmarks/curves.md).
+    # (1.53 before, 1.10 now); one that misses a kink aims half the headroom low after it failed,
+    # reads its error per sample over the last eighth of the batch and stretches its step only
+    # after creeping twice (1.64 before, 1.33 now: the rest is its first extrapolation past the
+    # kink, which no search that trusts a prior can see; 1.47 on the full grid, docs/benchmarks/curves.md).
     for name, stats in wrong.items():
         assert stats.row()["mean OOM trials"] <= 1.5, (name, stats.row())

@@ -208,7 +208,8 @@ def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int]
     also ``γ`` (a per-sample error the trace cannot see, such as a kernel's workspace): the
     prior then only has to have the right curvature. The largest points count: near the
     boundary is where the curve has to be right. ``local`` (a prior that failed near the boundary,
-    so it misses a kink there): its error per sample is read over the last 1/64 of the batch, not 1/4.
+    so it misses a kink there): its error per sample is read over the last 1/64 of the batch, not 1/8
+    (over a quarter, a prior that misses a kink or a workspace from some batch on reads its slope across the switch).
     """
     top = sorted(totals)[-3:]
     ys = [totals[b] for b in top]
@@ -233,8 +234,8 @@ def calibrate(prior: Curve, totals: dict[int, int], proportional: Container[int]
     scale = per_sample = 0.0
     if len(totals) >= 2:
         # Local: the prior has failed near the boundary, so its slope far below it is not the slope
-        # there (a kink it misses): read its error per sample over the last 1/64 of the batch, not 1/4.
-        partner = _partner(totals, 64 if local else 4)
+        # there (a kink it misses): read its error per sample over the last 1/64 of the batch, not 1/8.
+        partner = _partner(totals, 64 if local else 8)
         if partner in proportional:
             spread = prior(anchor) - prior(partner)
             if spread > 0:

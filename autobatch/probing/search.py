@@ -17,7 +17,8 @@ Guards keep a wrong model cheap:
   that creeps has its step doubled; two failures or three stalls running, bisect;
 * **misses judged by outcome** (led by a prior): a trial the model said fits but failed, or a model that moves
   the boundary up past its own fit (it creeps), is a miss. After a failure the model aims lower,
-  half the headroom, 2.5 times as low each time after; creeping stretches the model's step, doubling, never past the middle;
+  half the headroom, 2.5 times as low each time after; creeping twice running stretches the model's step,
+  doubling, never past the middle (once is a model converging as its points come nearer);
   a model that a failure contradicts is not asked again until new points come: bisect;
 * **a prior that steps** (the trace booked in the allocator model: 2 MiB segments, a staircase):
   the device crosses the capacity at one of its steps, so after the prior said a failed batch
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 
 from .memory_curve import Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch
 from .pending import Pending, stopped
+from .prior_steps import blur, step_below
 from .trials_alone import REACH, TrialsAlone
 from .trial import Trial
 
@@ -172,43 +174,6 @@ class _Search:
             limit -= min(0.9, _MARGIN * _LOWER ** cautious) * max(0, self.capacity - points[self.lo])
         return crossing(curve, limit, self.lo, self.cap)
 
-    def step_below(self, batch: int) -> int | None:
-        """The batch below the prior's last step at or under ``batch``, or ``None`` where the prior
-        does not stay flat for two batches there (a smooth prior, or no prior)."""
-        prior = self.prior
-        if prior is None or batch - 1 <= self.lo:
-            return None
-        top = prior(batch)
-        if prior(batch - 1) != top:
-            # The prior steps at this very batch: the batch below, if the prior is flat under it.
-            flat = batch - 2 > self.lo and prior(batch - 2) == prior(batch - 1)
-            return batch - 1 if flat else None
-        low, step = batch - 1, 1  # prior(low) == top; gallop down to a batch below the step
-        while low - step > self.lo and prior(low - step) == top:
-            low, step = low - step, 2 * step
-        floor = max(self.lo, low - step)
-        if prior(floor) == top:
-            return None  # flat down to the largest fit: no step of the prior to try below
-        while low - floor > 1:
-            mid = (low + floor) // 2
-            low, floor = (mid, floor) if prior(mid) == top else (low, mid)
-        return low - 1 if low - 1 > self.lo else None
-
-    def blur(self) -> float:
-        """How many batches the prior is unsure by in the bracket: where it falls as the batch grows
-        (a booking off by a block at some batches), by its largest fall over its slope; 0 where it
-        does not fall from a batch to the next at either end of the bracket or in its middle (each
-        value of the prior a replay, the few it already has mostly)."""
-        prior, lo, hi = self.prior, self.lo, self.hi
-        if prior is None or hi is None or hi - lo < 2:
-            return 0.0
-        span, mid = hi - lo, (lo + hi) // 2
-        fall = max(max(0.0, prior(b) - prior(b + 1)) for b in {lo, mid, hi - 1})
-        if fall == 0:
-            return 0.0
-        slope = (prior(hi) - prior(lo)) / span
-        return fall / slope if slope > 0 else float(span)
-
     def reach(self) -> int:
         """The furthest batch one trial may try."""
         if self.prior is not None:
@@ -252,7 +217,7 @@ class _Search:
                 self.attempt(batch)
                 self.alone.tried(self, width)
                 continue
-            if self.hi is not None and self.upper - self.lo <= _BLUR * self.blur():
+            if self.hi is not None and self.upper - self.lo <= _BLUR * blur(self.prior, self.lo, self.hi):
                 # A prior that jitters by an eighth of the bracket or more cannot place the boundary in it.
                 drop = back = None
                 self.attempt(self.clamp(self.bisect()))
@@ -270,7 +235,7 @@ class _Search:
                     continue
                 # The step below failed too: the prior is off by more than a step; one more.
                 misses_below += 1
-                drop = self.step_below(batch) if misses_below < 2 else None
+                drop = step_below(self.prior, batch, self.lo) if misses_below < 2 else None
                 continue
             if back is not None:
                 below = self.hi - back
@@ -321,8 +286,9 @@ class _Search:
                 # A prior that failed near the boundary converges on it from below in shrinking steps:
                 # stretch only where it creeps (a staircase's flat stretch), not where it converges.
                 creeping = not (self.local and self.hi is not None) or batch - self.lo <= max(2, (self.upper - self.lo) // 64)
-                if side > 0 and streak and creeping:
-                    # The model keeps landing short: stretch its step, doubling, never past the middle.
+                if side > 0 and streak >= 2 and creeping:
+                    # The model keeps landing short, twice running (once is a model that converges as its
+                    # points come nearer, past a kink it missed): stretch its step, doubling, never past the middle.
                     stride = max(1, batch - self.lo) << streak
                     batch = self.clamp(min(self.lo + stride, self.reach() if self.hi is None else self.bisect()))
             fits = self.attempt(batch)
@@ -332,7 +298,7 @@ class _Search:
                 # prior's (a tensor the prior rounds a batch early); that batch, once a search.
                 drop, at_step, late = batch + 1, True, True
                 continue
-            if not fits and led and self.step_below(batch) is None:
+            if not fits and led and step_below(self.prior, batch, self.lo) is None:
                 # A smooth prior (one that does not step there) failed: calibrated far below, it
                 # misses the slope near the boundary. (A prior that steps has its own path below.)
                 self.local = True
@@ -346,7 +312,7 @@ class _Search:
                     # A prior that steps (the allocator's rounding) and said this batch fits: the
                     # device crossed the capacity at one of the prior's steps, most likely the
                     # last one at or below it; try the batch just below that step.
-                    drop, at_step, misses_below = self.step_below(batch), False, 0
+                    drop, at_step, misses_below = step_below(self.prior, batch, self.lo), False, 0
                     if drop is not None:
                         continue
                 if said_fits and not fits and settled and moved is not None:

@@ -50,3 +50,39 @@ def test_one_path_for_two_outputs_is_refused_and_the_file_untouched(first, secon
     assert result.exit_code == 2
     assert f"{first[0]} and {second[0]} name the same file" in result.stderr
     assert same.read_text() == before
+
+
+@pytest.mark.parametrize("command", [
+    ["solve", "--target", "16"],
+    ["estimate", "--model", "tiny-mlp", "--gpu", "t4", "--target", "16"],
+], ids=["solve", "estimate"])
+@pytest.mark.parametrize("bad", ["--deepspeed", "--accelerate", "--hf"])
+def test_an_output_that_cannot_be_written_is_refused_before_any_file_is(command, bad, tmp_path):
+    """Every output's folder is tried before the first write: one that cannot take the file (here its
+    folder is a file) leaves the others as they were, none made and none merged half way."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    existing = {"train_batch_size": 8, "zero_optimization": {"stage": 1}}
+    args, kept = [], {}
+    for flag, _ in OUTPUTS:
+        path = blocker / "x.json" if flag == bad else tmp_path / f"{flag.strip('-')}.json"
+        if flag != bad:
+            path.write_text(json.dumps(existing))
+            kept[path] = path.read_text()
+        args += [flag, str(path)]
+    result = invoke(*command, *args)
+    assert result.exit_code == 2, result.output
+    assert f"for {bad} must be writable" in result.stderr and "Traceback" not in result.output
+    assert all(path.read_text() == text for path, text in kept.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a-file", *(p.name for p in kept)])
+
+
+def test_a_write_that_fails_half_way_names_the_files_already_written(tmp_path):
+    from autobatch.configs import write_plan_configs
+    from autobatch.configs.files import ConfigFileError
+    from autobatch.planning.solver import solve
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigFileError, match=r"already written from this plan: .*ds\.json"):
+        write_plan_configs(solve(16, 2, 1, max_micro=4), deepspeed=tmp_path / "ds.json", hf=blocker / "hf.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,30 @@ def check_plan_outputs(
                                   f"pass a file name inside it, e.g. {str(path / ('config' + suffixes[flag][0]))!r}")
         if path.exists():
             read_config(path)  # merged into later: it has to parse
+        _check_writable(path, flag)
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Raise now where ``path`` could not be written after a probe: its folder (or the nearest one that
+    exists, under which the writer makes the rest) must take a new file, tried and removed at once, so
+    that a failed write never leaves the other files half done."""
+    folder = path.parent if str(path.parent) else Path(".")
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{str(folder)!r} is not a folder")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(f"{str(path)!r} is read-only")
+        if path.parent.exists():
+            fd, tried = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            os.unlink(tried)
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=folder, prefix=f".{path.name}."))
+    except OSError as exc:
+        raise ConfigFileError(path, f"for --{flag} must be writable, but {str(path)!r} cannot be: {exc}",
+                              "pass a path in a folder you can write to") from None
 
 
 def write_plan_configs(
@@ -114,7 +139,13 @@ def write_plan_configs(
         before = read_config(path) if os.path.exists(path) else None
         if before is not None and _has_comments(path):
             commented.add(os.fspath(path))
-        write()
+        try:
+            write()
+        except ConfigFileError as exc:
+            if not written:
+                raise
+            done = ", ".join(written.values())  # what is on disk already: the user must know
+            raise ConfigFileError(exc.path, exc.problem, f"{exc.fix} (already written from this plan: {done})") from None
         if before is not None:
             after = read_config(path)
             what = describe_changes(before, after)

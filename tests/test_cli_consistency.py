@@ -182,7 +182,7 @@ def test_help_lists_commands_in_the_order_a_user_needs_them():
 
 
 @pytest.mark.parametrize("name", ["find", "solve", "check", "estimate", "tune", "verify-ga", "gpus", "models",
-                                  "cache list", "cache clear"])
+                                  "cache", "cache list", "cache clear"])
 def test_every_help_ends_with_examples_and_shows_no_bool_type(name):
     res = invoke(*name.split(), "--help")
     assert res.exit_code == 0
@@ -190,12 +190,13 @@ def test_every_help_ends_with_examples_and_shows_no_bool_type(name):
     assert "<bool>" not in text and "<int range>" not in text
     examples = text[text.index("Examples:"):]
     assert f"$ autobatch {name}" in examples
-    cmd = commands()[name]
-    for param in cmd.params:
+    cmd = commands().get(name)  # a group ("cache") has its commands' options, none of its own
+    params = cmd.params if cmd is not None else []
+    for param in params:
         # A default is shown once: by typer, or in the help text, never both.
         shown = param.show_default is not False and param.default not in (None, False)
         assert not (shown and "default" in (param.help or "").lower()), (name, param.opts)
-    seq = next((p for p in cmd.params if "--seq-len" in p.opts), None)
+    seq = next((p for p in params if "--seq-len" in p.opts), None)
     if seq is not None:
         assert isinstance(seq.show_default, str) and "model" in seq.show_default
 
@@ -322,3 +323,11 @@ def test_the_drop_ins_take_max_micro_and_still_accept_max_batch():
         assert max_micro_of(None, 8, "AutoBatch") == 8
     with pytest.raises(AutobatchError, match="got both max_micro= and its old name max_batch="):
         max_micro_of(8, 8, "AutoBatch")
+
+
+@pytest.mark.parametrize("group, names", [((), "find, solve, check"), (("cache",), "list, clear")])
+def test_a_group_without_its_command_shows_its_help_and_says_what_is_missing(group, names):
+    res = invoke(*group)
+    assert res.exit_code == 2 and "Usage:" in res.stdout
+    line = res.stderr.strip()
+    assert len(line.splitlines()) == 1 and f"a command must follow: one of {names}" in line, line

@@ -123,8 +123,17 @@ def test_nothing_fits_and_bad_settings_fail_with_one_line():
         estimate(lm_workload(), gpu_memory="100KiB", overheads=Overheads.none())
     with pytest.raises(AutobatchError, match="fragmentation .* must be ≥ 1"):
         Overheads(fragmentation=0.9)
-    with pytest.raises(AutobatchError, match="must exceed its CUDA context"):
+    with pytest.raises(AutobatchError, match="must exceed its CUDA context .*; pass a larger --gpu-memory"):
         estimate(lm_workload(), gpu_memory="100MiB")
+
+
+@pytest.mark.parametrize("args, fix", [(["--gpu-memory", "100MiB"], "pass a larger --gpu-memory"),
+                                       (["--cuda-context", "100GiB"], "pass a smaller --cuda-context"),
+                                       (["--cuda-context", "100GiB", "--seq-len", "16,32"], "pass a smaller --cuda-context")])
+def test_a_cuda_context_the_card_cannot_hold_names_the_option_to_change(args, fix):
+    """The fix names what the user set: a context they passed is too large, a card they sized too small."""
+    result = CliRunner().invoke(app, ["estimate", "--model", "tiny-gpt2", *args])
+    assert result.exit_code == 2 and "must exceed its CUDA context" in result.stderr and fix in result.stderr, result.output
     with pytest.raises(AutobatchError, match="gradient_checkpointing_enable"):
         estimate(Workload(TinyLM, lm_workload().make_batch, loss_fn=lm_workload().loss_fn, grad_checkpointing=True))
 

@@ -155,6 +155,10 @@ class AutobatchGroup(TyperGroup):
             ctx = getattr(exc, "ctx", None)
             command = ctx.command_path if ctx is not None else "autobatch"
             message = exc.format_message().rstrip(".")
+            if isinstance(exc, click.exceptions.NoArgsIsHelpError) or not message:  # the help was shown
+                listed = getattr(ctx.command, "list_commands", None) if ctx is not None else None
+                names = listed(ctx) if listed is not None else []
+                message = "a command must follow" + (f": one of {', '.join(names)}" if names else "")
             if isinstance(exc, click.exceptions.BadParameter):
                 message = _bad_value(exc, argv) or message
             if isinstance(exc, click.exceptions.UsageError):
@@ -179,7 +183,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 cache_app = typer.Typer(cls=AutobatchGroup, help="The on-disk cache of probe results and tuning studies.",
-                        no_args_is_help=True)
+                        epilog="Examples:\n\n  $ autobatch cache list\n\n  $ autobatch cache clear", no_args_is_help=True)
 
 
 def _version(value: bool) -> None:

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..errors import AutobatchError
 from ..modelinfo import min_batch_for
 from ..probing.evaluation import run_eval_trial
 from ..probing.probe import MemorySummary
@@ -20,11 +19,10 @@ from ..probing.result import not_led
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype
-from ..units import format_bytes
 from .estimate import IS_THE_TRACE, Estimate, trace_trial, training_copy
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
-from .overheads import Overheads, on_gpu
+from .overheads import Overheads, beside_the_context, on_gpu
 
 __all__ = ["FakeLengthRunner"]
 
@@ -45,13 +43,7 @@ class FakeLengthRunner:
         self.started = time.perf_counter()
         self.spec = resolve_gpu(gpu, gpu_memory)
         self.overheads = overheads if overheads is not None else Overheads()
-        context = self.spec.context_bytes if self.overheads.context_bytes is None else self.overheads.context_bytes
-        self.capacity = self.spec.total_bytes - context
-        if self.capacity <= 0:
-            raise AutobatchError(
-                f"the GPU's memory ({format_bytes(self.spec.total_bytes)}) must exceed its CUDA context "
-                f"({format_bytes(context)}); pass a larger --gpu-memory (the CUDA context takes that much of it)"
-            )
+        self.capacity = beside_the_context(self.spec, self.overheads)
         self.workload = workload
         self.fake_mode = _mode_of(workload.model) or _new_fake_mode()
         self.model = training_copy(workload, self.fake_mode)

@@ -149,9 +149,11 @@ def beside_the_context(spec: GpuSpec, overheads: Overheads) -> int:
     context = spec.context_bytes if overheads.context_bytes is None else overheads.context_bytes
     capacity = spec.total_bytes - context
     if capacity <= 0:
+        fix = ("pass a smaller --cuda-context" if overheads.context_bytes is not None
+               else "pass a larger --gpu-memory (the CUDA context takes that much of it)")
         raise AutobatchError(
             f"the GPU's memory ({format_bytes(spec.total_bytes)}) must exceed its CUDA context "
-            f"({format_bytes(context)}); pass a larger --gpu-memory (the CUDA context takes that much of it)"
+            f"({format_bytes(context)}); {fix}"
         )
     return capacity
 

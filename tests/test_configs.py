@@ -382,3 +382,28 @@ def test_every_strategy_is_the_lightning_strategy_that_trains_as_probed(name, of
                                       logger=False)
         sizes = dict(setting.kwargs)
         assert sizes["data_parallel_size"] * sizes["tensor_parallel_size"] == trainer.world_size == plan.num_processes
+
+
+@pytest.mark.parametrize("strategy", [None, "ddp", "fsdp2", "zero2", "fsdp1"])
+def test_a_model_parallel_plan_groups_lightnings_ranks_or_says_no_line_does(strategy):
+    """16 GPUs, model parallel 2: 8 data-parallel ranks. Lightning's ModelParallelStrategy groups them (plain
+    data parallelism and FSDP2); where a strategy cannot (ZeRO, FSDP1), nor can any line, and the lines say so.
+    Before, the Lightning line launched 16 data-parallel ranks: twice the planned global batch."""
+    from autobatch.cli.output import plan_lines
+
+    plan = solve(256, 8, 2, max_micro=16, model_parallel=2)
+    assert (plan.micro_batch, plan.grad_accum, plan.world_size) == (16, 2, 8)
+    trainer = lightning_settings(plan, strategy=strategy)["trainer"]
+    grouped = strategy in (None, "ddp", "fsdp2")
+    if grouped:
+        assert repr(trainer["strategy"]) == "ModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=2)"
+        need("lightning")
+        built = trainer["strategy"].build()
+        assert (built._data_parallel_size, built._tensor_parallel_size) == (8, 2)
+    said = [line for line in plan_lines(plan, strategy=strategy) if line.startswith("model parallel:")]
+    assert len(said) == 1 and "8 of the 16 processes are data-parallel" in said[0]
+    assert ("the HF, torchrun and accelerate lines" in said[0]) == grouped
+    # One model per GPU: no note, and Lightning's line is as it was.
+    single = solve(256, 8, 2, max_micro=16)
+    assert not [line for line in plan_lines(single, strategy=strategy) if line.startswith("model parallel:")]
+    assert "strategy" not in lightning_settings(single, strategy=None)["trainer"]

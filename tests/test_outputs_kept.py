@@ -86,3 +86,29 @@ def test_a_write_that_fails_half_way_names_the_files_already_written(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(ConfigFileError, match=r"already written from this plan: .*ds\.json"):
         write_plan_configs(solve(16, 2, 1, max_micro=4), deepspeed=tmp_path / "ds.json", hf=blocker / "hf.json")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+def test_solve_wraps_fsdp_one_way_in_every_file_and_line_and_says_how(strategy, tmp_path):
+    """solve knows no model: with no --fsdp-unit the files wrap by size, and so does the Lightning line (it said
+    "each block" beside files that wrap by size), and a note says how to wrap each block; a named block is
+    wrapped in every output alike."""
+    from autobatch.configs.files import read_config
+
+    common = ["solve", "--target", "64", "--gpus", "4", "--max-micro", "8", "--strategy", strategy]
+    by_size = invoke(*common, "--accelerate", str(tmp_path / "a.yaml"), "--hf", str(tmp_path / "h.json"))
+    assert by_size.exit_code == 0, by_size.output
+    assert read_config(tmp_path / "a.yaml")["fsdp_config"]["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP"
+    assert read_config(tmp_path / "h.json")["fsdp_config"]["min_num_params"] == 100_000_000
+    assert "each block" not in by_size.stdout
+    if strategy == "fsdp2":
+        assert "fully_shard(each submodule of at least 100,000,000 parameters" in by_size.stdout
+    assert f"note: {strategy} with no --fsdp-unit: solve knows no model" in by_size.stderr
+
+    named = invoke(*common, "--fsdp-unit", "LlamaDecoderLayer", "--accelerate", str(tmp_path / "b.yaml"))
+    assert named.exit_code == 0 and "note:" not in named.stderr, named.output
+    fsdp = read_config(tmp_path / "b.yaml")["fsdp_config"]
+    assert (fsdp["fsdp_auto_wrap_policy"], fsdp["fsdp_transformer_layer_cls_to_wrap"]) == (
+        "TRANSFORMER_BASED_WRAP", "LlamaDecoderLayer")
+    if strategy == "fsdp2":
+        assert "fully_shard(each LlamaDecoderLayer" in named.stdout

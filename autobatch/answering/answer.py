@@ -83,7 +83,10 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         plan = solve(request.target, request.gpus_here(), request.nodes, fixed or request.max_micro,
                      min_micro=fixed or request.min_micro or 1, multiple_of=request.multiple_of,
                      model_parallel=request.model_parallel, base_lr=request.base_lr, base_batch=request.base_batch)
-        return _written(Report(request, plan), into=written)
+        for chosen in request.strategies or ():
+            if chosen.is_fsdp and chosen.unit is None:
+                note(SIZE_NOTE.format(strategy=chosen.name))
+        return _written(Report(request, plan), into=written, notes=notes)
     if request.mode == "estimate":
         report = _estimate(request, note, on_trial)
     else:
@@ -97,6 +100,12 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
     if any(key in zero for key in BUCKET_KEYS) and request.accelerate is not None and request.deepspeed is None:
         note(PLUGIN_NOTE.format(accelerate=request.accelerate, held=_held(zero)))
     return _written(report, into=written, notes=notes)
+
+
+# solve knows no model, so no block to wrap: FSDP is written wrapped by size, and says so.
+SIZE_NOTE = ("{strategy} with no --fsdp-unit: solve knows no model, so every file and line wraps by size (a unit per "
+             "module of at least 100,000,000 parameters; a small model is one unit); name the block to wrap each one, "
+             "e.g. --fsdp-unit LlamaDecoderLayer, as find does for a model that has blocks")
 
 
 def _held(zero: dict[str, Any]) -> str:

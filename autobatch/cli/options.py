@@ -166,8 +166,9 @@ OffloadOption = Annotated[str | None, typer.Option(
          "refuses it (the host it would offload to is the device).",
 )]
 FsdpUnitOption = Annotated[str | None, typer.Option(
-    "--fsdp-unit", rich_help_panel=_PLAN, show_default="the transformer block",
-    help="FSDP only: the module class wrapped as one unit.",
+    "--fsdp-unit", rich_help_panel=_PLAN, show_default="the model's transformer block; solve: by size",
+    help="FSDP only: the module class wrapped as one unit. find and estimate take the block the model has "
+         "(by size, 100,000,000 parameters a unit, where it has none); solve knows no model and wraps by size.",
 )]
 
 FindTarget = Annotated[int | None, typer.Option(

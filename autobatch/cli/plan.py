@@ -74,7 +74,8 @@ def solve_command(
     request = request_from(locals())  # first: the flags alone
     from .. import answer
 
-    print_report(answer(request, written=outputs()), as_json=as_json)
+    print_report(answer(request, written=outputs(), on_note=lambda text: typer.echo(f"note: {text}", err=True)),
+                 as_json=as_json)
 
 
 @command("check", examples=[

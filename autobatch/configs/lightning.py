@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import as_strategy
+from ..strategy import SIZE_BASED_MIN_PARAMS, as_strategy
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
@@ -117,7 +117,8 @@ def _configure_model(strategy: Any, precision: str | None) -> str:
         policies.append(f"mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={dtype}, output_dtype={dtype})")
     if strategy.offload:
         policies.append("offload_policy=CPUOffloadPolicy()")
-    unit = f"each {strategy.unit}" if strategy.unit else "each block"
+    # No block named: wrapped by size, as the files say (a probe names the block a model has; solve knows no model).
+    unit = f"each {strategy.unit}" if strategy.unit else f"each submodule of at least {SIZE_BASED_MIN_PARAMS:,} parameters"
     said = (f"fully_shard({unit}, then the module, mesh=self.device_mesh['data_parallel']"
             + "".join(f", {p}" for p in policies) + ")")
     if precision == "fp16":  # ModelParallelStrategy refuses "16-mixed": the step's autocast is the module's own

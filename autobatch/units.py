@@ -18,11 +18,12 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str | int | float) -> int:
-    """Parse a memory size; bare ``K``/``M``/``G`` are binary (as GPU vendors print them).
+def parse_bytes(text: str | int | float, *, zero: bool = False) -> int:
+    """Parse a memory size; bare ``K``/``M``/``G`` are binary (as GPU vendors print them). ``zero``: 0 is
+    a size too (an overhead that may be none), else it must be positive.
 
-    >>> parse_bytes("2GiB"), parse_bytes("1.5G"), parse_bytes("500MB")
-    (2147483648, 1610612736, 500000000)
+    >>> parse_bytes("2GiB"), parse_bytes("1.5G"), parse_bytes("500MB"), parse_bytes("0B", zero=True)
+    (2147483648, 1610612736, 500000000, 0)
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
@@ -35,8 +36,8 @@ def parse_bytes(text: str | int | float) -> int:
             )
         value, unit = float(match.group(1)), match.group(2).lower()
     result = int(value * _UNITS[unit])
-    if result <= 0:
-        raise AutobatchError(f"memory must be positive, but got {text!r}; write e.g. 2GiB")
+    if result < 0 or (result == 0 and not zero):
+        raise AutobatchError(f"memory must be {'0 or more' if zero else 'positive'}, but got {text!r}; write e.g. 2GiB")
     return result
 
 

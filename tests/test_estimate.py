@@ -184,3 +184,20 @@ def test_gradient_checkpointing_is_traced_and_leads_the_search(trace_first):
                                      "--grad-checkpointing", "--no-cache"])
     assert found.exit_code == 0 and "led by the fake-tensor trace" in found.stdout, found.output
     assert "deprecated" not in found.stderr  # transformers' current name for the switch, not the old one
+
+
+def test_no_workspace_and_no_cuda_context_are_sizes_too():
+    """0B is a plausible overhead (no workspace; a --gpu-memory already less its context), refused before."""
+    runner = CliRunner()
+    result = runner.invoke(app, ["estimate", "--model", "tiny-mlp", "--gpu", "t4", "--workspace", "0B",
+                                 "--cuda-context", "0B", "--json"])
+    assert result.exit_code == 0, result.output
+    overheads = json.loads(result.stdout)["overheads"]
+    assert overheads["workspace_bytes"] == 0 and overheads["context_bytes"] == 0
+    for flag in ("--workspace", "--cuda-context"):
+        bad = runner.invoke(app, ["estimate", "--model", "tiny-mlp", flag, "-1GiB"])
+        assert bad.exit_code == 2 and f"{flag} must be a size of 0B or more" in bad.stderr, bad.output
+    bad = runner.invoke(app, ["estimate", "--model", "tiny-mlp", "--gpu-memory", "0B"])
+    assert bad.exit_code == 2 and "--gpu-memory must be a positive size" in bad.stderr, bad.output
+    bad = runner.invoke(app, ["estimate", "--model", "tiny-mlp", "--gpu", "t4", "--headroom", "100GiB"])
+    assert bad.exit_code == 2 and "smaller than the device capacity" in bad.stderr and "e.g. --headroom 0.05" in bad.stderr

@@ -127,8 +127,8 @@ def estimate_overheads(request: Request) -> Any:
     from ..estimating.overheads import Overheads
     from ..units import parse_bytes
 
-    context = None if request.cuda_context is None else parse_bytes(request.cuda_context)
-    return Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace),
+    context = None if request.cuda_context is None else parse_bytes(request.cuda_context, zero=True)
+    return Overheads(fragmentation=request.fragmentation, workspace_bytes=parse_bytes(request.workspace, zero=True),
                      context_bytes=context)
 
 

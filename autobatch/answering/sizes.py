@@ -75,16 +75,22 @@ def per_rank_problems(memory: Any, count: int, launched: bool) -> list[str]:
     return []
 
 
+# Overheads that may be none: a size of 0 is one (no workspace; a context already taken off --gpu-memory).
+_MAY_BE_ZERO = ("workspace", "cuda_context")
+
+
 def unit_problems(named: list[tuple[str, Any]]) -> list[str]:
     """Each ``(option, value)`` that is no size: a number as a string (no unit), or unreadable."""
     problems = []
     for name, value in named:
+        zero = name in _MAY_BE_ZERO
         if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
             problems.append(f"{option(name)} needs a unit as a string ({value!r} would be {value} bytes); write "
                             f"e.g. '{value.strip()}GiB', or pass a number of bytes as an int")
         elif value is not None:
             try:
-                parse_bytes(value)
+                parse_bytes(value, zero=zero)
             except (AutobatchError, ValueError, TypeError):
-                problems.append(f"{option(name)} must be a positive size (2GiB, 512MiB), but got {value!r}")
+                kind = "a size of 0B or more" if zero else "a positive size"
+                problems.append(f"{option(name)} must be {kind} (2GiB, 512MiB), but got {value!r}")
     return problems

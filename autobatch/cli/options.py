@@ -225,8 +225,8 @@ AsJson = Annotated[bool, typer.Option(
 )]
 
 
-def size_value(text: str, flag: str) -> int:
-    """A memory size such as ``2GiB``; a bad one is an error that names ``flag``.
+def size_value(text: str, flag: str, *, zero: bool = False) -> int:
+    """A memory size such as ``2GiB``; a bad one is an error that names ``flag``. ``zero``: ``0B`` is one.
 
     On the command line a size needs its unit: ``--memory 4`` would be four bytes, which nobody means.
     """
@@ -237,10 +237,11 @@ def size_value(text: str, flag: str) -> int:
         raise AutobatchError(f"{flag} needs a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), but got {text!r}; "
                              f"write e.g. {example}GiB")
     try:
-        return parse_bytes(text)
+        return parse_bytes(text, zero=zero)
     except AutobatchError:
         raise AutobatchError(
-            f"{flag} must be a positive size with a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), "
+            f"{flag} must be {'a size of 0B or more' if zero else 'a positive size'} with a unit "
+            "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), "
             f"but got {text!r}; write e.g. 2GiB"
         ) from None
 
@@ -305,7 +306,7 @@ def request_from(params: dict[str, Any], **fixed: Any) -> Any:
     for name in ("memory", "gpu_memory", "workspace", "cuda_context"):
         if kwargs.get(name) is not None:
             for part in kwargs[name].split(",") if name == "memory" else [kwargs[name]]:  # one per rank
-                size_value(part, FLAGS[name])
+                size_value(part, FLAGS[name], zero=name in ("workspace", "cuda_context"))  # overheads may be none
     if "headroom" in kwargs:
         kwargs["headroom"] = headroom_value(kwargs["headroom"])
     if isinstance(kwargs.get("seq_len"), str):

@@ -130,7 +130,8 @@ def resolve_headroom(headroom: float | int | str, capacity: int) -> int:
     size = parse_bytes(headroom)
     if size >= capacity:
         raise AutobatchError(
-            f"headroom must be smaller than the device capacity ({format_bytes(capacity)}), but got {format_bytes(size)}"
+            f"headroom must be smaller than the device capacity ({format_bytes(capacity)}), but got {format_bytes(size)}; "
+            "keep a share of it, e.g. headroom=0.05 (5 %), or a size below the capacity"
         )
     return size
 

@@ -21,6 +21,7 @@ from ..planning.solver import solve
 from ..probing.probe import for_data_parallel, make_backend
 from ..probing.progress import listening
 from ..probing.workload import default_loss
+from ..strategy import SIZE_BASED_MIN_PARAMS
 from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus, uneven_plan
 from .report import Report
 from .request import Request
@@ -104,8 +105,8 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
 
 # solve knows no model, so no block to wrap: FSDP is written wrapped by size, and says so.
 SIZE_NOTE = ("{strategy} with no --fsdp-unit: solve knows no model, so every file and line wraps by size (a unit per "
-             "module of at least 100,000,000 parameters; a small model is one unit); name the block to wrap each one, "
-             "e.g. --fsdp-unit LlamaDecoderLayer, as find does for a model that has blocks")
+             f"module of at least {SIZE_BASED_MIN_PARAMS:,} parameters; a small model is one unit); name the block to "
+             "wrap each one, e.g. --fsdp-unit LlamaDecoderLayer, as find does for a model that has blocks")
 
 
 def _held(zero: dict[str, Any]) -> str:

@@ -306,7 +306,8 @@ def request_from(params: dict[str, Any], **fixed: Any) -> Any:
     for name in ("memory", "gpu_memory", "workspace", "cuda_context"):
         if kwargs.get(name) is not None:
             for part in kwargs[name].split(",") if name == "memory" else [kwargs[name]]:  # one per rank
-                size_value(part, FLAGS[name], zero=name in ("workspace", "cuda_context"))  # overheads may be none
+                # overheads may be none: the library's answering.sizes names the same two (the CLI takes no private names)
+                size_value(part, FLAGS[name], zero=name in ("workspace", "cuda_context"))
     if "headroom" in kwargs:
         kwargs["headroom"] = headroom_value(kwargs["headroom"])
     if isinstance(kwargs.get("seq_len"), str):

@@ -50,9 +50,10 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
         lines.append(f"accelerate: {accelerate_command(plan, script, config_file=accelerate, deepspeed_config_file=deepspeed)}")
     if plan.model_parallel > 1:
         # Only Lightning's line above groups the ranks (ModelParallelStrategy, where the strategy allows it).
+        grouped = getattr(lightning["trainer"].get("strategy"), "name", None) == "ModelParallelStrategy"
         lines.append(f"model parallel: {plan.model_parallel} ranks hold one model and share each micro batch, so "
                      f"{plan.world_size} of the {plan.world_size * plan.model_parallel} processes are data-parallel; "
-                     f"{'the HF, torchrun and accelerate lines' if 'ModelParallelStrategy' in trainer else 'these lines'} "
+                     f"{'the HF, torchrun and accelerate lines' if grouped else 'these lines'} "
                      "launch every process, and the batch is as planned only where "
                      "your tensor or pipeline parallelism groups them so (HF: TrainingArguments(parallelism_config=...))")
     if precision in _PURE:  # nothing above carries it: the HF Trainer and accelerate train in the model's dtype

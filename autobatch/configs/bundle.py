@@ -64,7 +64,7 @@ def _check_writable(path: Path, flag: str) -> None:
     """Raise now where ``path`` could not be written after a probe: its folder (or the nearest one that
     exists, under which the writer makes the rest) must take a new file, tried and removed at once, so
     that a failed write never leaves the other files half done."""
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     try:

@@ -84,10 +84,16 @@ _PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true"
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
+def _model_parallel(plan: Plan) -> LightningStrategy:
+    """Lightning's data parallelism across groups of ``plan.model_parallel`` ranks (its configure_model
+    shards or parallelizes the modules); without it every process would be a data-parallel rank."""
+    return LightningStrategy("ModelParallelStrategy", (("data_parallel_size", plan.world_size),
+                                                       ("tensor_parallel_size", plan.model_parallel)))
+
+
 def _strategy(plan: Plan, strategy: Any, probed_zero: dict[str, Any] | None = None) -> str | LightningStrategy:
     if strategy.name == "fsdp2" or (strategy.name == "ddp" and plan.model_parallel > 1):
-        return LightningStrategy("ModelParallelStrategy", (("data_parallel_size", plan.world_size),
-                                                           ("tensor_parallel_size", plan.model_parallel)))
+        return _model_parallel(plan)
     if strategy.name == "fsdp1":  # without a block the probe wrapped by size, which a small model's one unit is
         offload = (("cpu_offload", True),) if strategy.offload else ()
         if strategy.unit:
@@ -147,11 +153,8 @@ def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | Non
     }
     if strategy is not None:
         trainer["strategy"] = _strategy(plan, strategy, probed_zero)
-    elif plan.model_parallel > 1:
-        # Plain data parallelism across groups of model-parallel ranks: Lightning's tensor parallelism
-        # (its configure_model parallelizes the modules), else every process would be a data-parallel rank.
-        trainer["strategy"] = LightningStrategy("ModelParallelStrategy", (("data_parallel_size", plan.world_size),
-                                                                          ("tensor_parallel_size", plan.model_parallel)))
+    elif plan.model_parallel > 1:  # plain data parallelism across groups of model-parallel ranks
+        trainer["strategy"] = _model_parallel(plan)
     if precision in _PRECISION and not (strategy is not None and strategy.name == "fsdp2" and precision == "fp16"):
         trainer["precision"] = _PRECISION[precision]
     settings: dict[str, Any] = {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch}}

@@ -227,6 +227,24 @@ def test_estimate_a_mixed_cluster_plans_each_card_and_the_uniform_plan_stays_the
     assert "uneven" not in data and "per_rank" not in data  # a plan per rank only when asked
 
 
+@pytest.mark.parametrize("dtype, a100, v100, basis", [("fp32", 19.5, 15.7, "fp32"), ("fp16", 312.0, 125.0, "16-bit")])
+def test_a_mixed_cluster_is_balanced_by_each_cards_speed_in_the_format_it_trains_in(dtype, a100, v100, basis) -> None:
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    args = ["estimate", "--model", "tiny-gpt2", "--gpu", "a100-80gb:1,v100-16gb:1", "--target", "1000", "--uneven",
+            "--dtype", dtype]
+    data = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    cards = {c["gpu"]: c for c in data["gpus"]}
+    assert (cards["a100-80gb"]["peak_tflops"], cards["v100-16gb"]["peak_tflops"]) == (a100, v100)
+    assert cards["a100-80gb"]["peak_tflops_in"] == basis
+    share = {r["rank"]: r["samples"] for r in data["per_rank"]}
+    assert share[0] + share[1] == 1000 and share[0] / share[1] == pytest.approx(a100 / v100, rel=0.02)
+    text = CliRunner().invoke(app, args).output
+    assert f"peak {a100} {basis} TFLOPS, the speed its ranks are balanced by" in text
+
+
 def test_the_guides_table_is_the_one_the_benchmark_wrote() -> None:
     root = Path(__file__).resolve().parents[1]
     bench = [line for line in (root / "docs" / "benchmarks" / "uneven.md").read_text().splitlines()
@@ -245,9 +263,11 @@ def test_the_benchmark_writes_its_table(tmp_path) -> None:
     assert "| a100-80gb:1,v100-16gb:1 | a100-80gb " in text
     a100, v100 = result["cards"]
     assert a100["micro_batch"] * a100["grad_accum"] + v100["micro_batch"] * v100["grad_accum"] == 1000
-    # balanced by the cards' peak speeds (312 against 125 TFLOPS): the A100 takes about 2.5× the samples
+    # balanced by the cards' peak speeds in fp32, the format it trains in (19.5 against 15.7 TFLOPS, not the
+    # 312 against 125 of their 16-bit tensor cores): the A100 takes about 1.24× the samples
+    assert (a100["peak_tflops"], v100["peak_tflops"], a100["peak_tflops_in"]) == (19.5, 15.7, "fp32")
     assert a100["micro_batch"] * a100["grad_accum"] / (v100["micro_batch"] * v100["grad_accum"]) == pytest.approx(
-        312 / 125, rel=0.02)
+        19.5 / 15.7, rel=0.02)
     assert result["uneven_time"] < result["uniform_time"]
 
 

@@ -132,7 +132,7 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     """An estimate for a mixed ``--gpu`` list: every card traced, the uniform plan at the smallest
     card's safe batch and, with ``uneven``, a plan per rank split by the cards' peak speeds."""
     from ..estimating.estimate import estimate
-    from ..estimating.gpus import PEAK_TFLOPS
+    from ..estimating.gpus import peak_tflops
     from ..pipeline import Finding
     from ..planning.solver import solve
     from .report import Report
@@ -159,8 +159,10 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
         for spec in cards_once:
             found[spec.name] = estimate(workload, spec, overheads=overheads, headroom=request.headroom,
                                         max_batch=request.max_micro, min_batch=request.min_micro, data_parallel=world)
+    # Each card's speed in the format the job trains in: fp32 is not split by 16-bit tensor-core figures.
+    speed = {spec.name: peak_tflops(spec.name, request.precision) for spec in cards_once}
     limits = tuple(RankLimit(r, found[spec.name].max_batch, max(1, found[spec.name].safe_batch),
-                             (0.0, 1.0 / PEAK_TFLOPS.get(spec.name, 100.0)))
+                             (0.0, 1.0 / (speed[spec.name][0] or 100.0)))
                    for r, spec in enumerate(spec for spec, n in mix for _ in range(n)))
     card = min(cards_once, key=lambda spec: found[spec.name].safe_batch)
     smallest = found[card.name]
@@ -172,6 +174,7 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
         uneven = uneven_plan(request, limits, strategy=request.strategies[0] if request.strategies else None,
                              min_micro=smallest.min_batch, uniform_safe=smallest.safe_batch, speeds="peak")
     cards = tuple({"gpu": spec.name, "count": n, "max_batch": found[spec.name].max_batch,
-                   "safe_batch": found[spec.name].safe_batch, "peak_tflops": PEAK_TFLOPS.get(spec.name)}
+                   "safe_batch": found[spec.name].safe_batch, "peak_tflops": speed[spec.name][0],
+                   "peak_tflops_in": speed[spec.name][1]}
                   for spec, n in mix)
     return Report(request, plan, rows=(Finding(smallest, plan),), gpu=card, uneven=uneven, cards=cards)

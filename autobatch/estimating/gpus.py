@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import AutobatchError
 from ..units import format_bytes, parse_bytes
 
-__all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "DEFAULT_CONTEXT_BYTES", "PEAK_TFLOPS", "lookup_gpu", "custom_gpu",
+__all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "DEFAULT_CONTEXT_BYTES", "PEAK_TFLOPS", "PEAK_TFLOPS_FP32", "peak_tflops", "lookup_gpu", "custom_gpu",
            "resolve_gpu", "gpu_mix"]
 
 _MIB = 1 << 20
@@ -107,6 +107,33 @@ PEAK_TFLOPS: dict[str, float] = {
     "rtx-4090": 165.2, "a100-40gb": 312.0, "a100-80gb": 312.0, "h100-80gb": 989.0, "h200": 989.0,
     "mi250": 181.0, "mi300x": 1307.0,
 }
+
+# Peak dense FP32 TFLOPS, from the same datasheets: what a card runs full-precision matmuls at with
+# PyTorch's default (TF32 off for matmuls: ``torch.backends.cuda.matmul.allow_tf32`` is False), on
+# NVIDIA's FP32 cores; AMD's FP32 matrix cores, which rocBLAS takes for FP32 GEMMs (MI250: one GCD).
+# The A100 is 312 against the V100's 125 in 16 bits, but 19.5 against 15.7 in FP32: an fp32 job
+# split by the 16-bit figures would give the A100 twice the share its speed earns.
+PEAK_TFLOPS_FP32: dict[str, float] = {
+    "v100-16gb": 15.7, "v100-32gb": 15.7, "t4": 8.1, "a10g": 31.2, "l4": 30.3, "rtx-3090": 35.6,
+    "rtx-4090": 82.6, "a100-40gb": 19.5, "a100-80gb": 19.5, "h100-80gb": 67.0, "h200": 67.0,
+    "mi250": 45.3, "mi300x": 163.4,
+}
+
+
+def peak_tflops(name: str, precision: str | None) -> tuple[float | None, str]:
+    """A card's peak dense TFLOPS in the format a job trains in, and that format's name.
+
+    ``precision`` is a request's (``None`` for full fp32; ``"bf16"``, ``"fp16"``, ``"bf16-true"``,
+    …): fp32 takes :data:`PEAK_TFLOPS_FP32`, every 16-bit precision :data:`PEAK_TFLOPS`.
+    ``None`` for a card not in the table.
+
+    Example:
+        >>> peak_tflops("a100-80gb", None), peak_tflops("a100-80gb", "bf16")
+        ((19.5, 'fp32'), (312.0, '16-bit'))
+    """
+    if precision is None:
+        return PEAK_TFLOPS_FP32.get(name), "fp32"
+    return PEAK_TFLOPS.get(name), "16-bit"
 
 
 def gpu_mix(gpu: str | None) -> tuple[tuple[GpuSpec, int], ...] | None:

@@ -59,6 +59,16 @@ def gpu_problems(request: Request) -> list[str]:
     if strategies is not None and len(strategies) > 1:
         problems.append(f"a mixed {option('gpu')} list is estimated for one strategy, but {option('strategy')} names "
                         f"{len(strategies)}; compare them on one card first")
+    if request.table:  # each card is estimated at one length, for training: a table's rows would go unread
+        several = request.lengths is not None and len(request.lengths) > 1
+        asked = " and ".join(filter(None, (
+            f"{option('seq_len')} {','.join(map(str, request.lengths))}" if several else None,
+            option("evaluation") if request.evaluation else None)))
+        fix = " and ".join(filter(None, (f"pass one {option('seq_len')} (the length you train at)" if several else None,
+                                         f"drop {option('evaluation')}" if request.evaluation else None)))
+        verb = "make" if several and request.evaluation else "makes"
+        problems.append(f"a mixed {option('gpu')} list is estimated at one sequence length for training, but {asked} "
+                        f"{verb} it a table; {fix}, or estimate the table on each card alone")
     return problems
 
 

@@ -245,6 +245,29 @@ def test_a_mixed_cluster_is_balanced_by_each_cards_speed_in_the_format_it_trains
     assert f"peak {a100} {basis} TFLOPS, the speed its ranks are balanced by" in text
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "3"], "--gpu a100-80gb:2,v100-16gb:2 names 4 GPUs, but --gpus 3 × --nodes 1 is 3; drop --gpus"),
+    (["--nodes", "3"], "names 4 GPUs, which --nodes 3 does not divide; give the same number of GPUs on every node"),
+    (["--strategy", "ddp,zero2"], "a mixed --gpu list is estimated for one strategy, but --strategy names 2"),
+    # a table was estimated at its first length alone, and the plan taken there, not at the longest
+    (["--seq-len", "32,64"], "at one sequence length for training, but --seq-len 32,64 makes it a table; pass one "
+                             "--seq-len (the length you train at), or estimate the table on each card alone"),
+    (["--eval"], "but --eval makes it a table; drop --eval, or"),
+    (["--seq-len", "32,64", "--eval"], "but --seq-len 32,64 and --eval make it a table; pass one --seq-len (the "
+                                       "length you train at) and drop --eval, or"),
+    (["--gpu", "a100-80gb:2,nope:2"], "--gpu must be one of v100-16gb"),
+])
+def test_a_mixed_list_it_cannot_estimate_is_refused_in_one_line(args, message) -> None:
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    gpu = [] if "--gpu" in args else ["--gpu", "a100-80gb:2,v100-16gb:2"]
+    result = CliRunner().invoke(app, ["estimate", "--model", "tiny-gpt2", *gpu, "--target", "64", *args])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.startswith("Error: ") and message in result.output, result.output
+
+
 def test_the_guides_table_is_the_one_the_benchmark_wrote() -> None:
     root = Path(__file__).resolve().parents[1]
     bench = [line for line in (root / "docs" / "benchmarks" / "uneven.md").read_text().splitlines()

@@ -66,6 +66,29 @@ def test_estimate_takes_the_same_lengths_without_a_gpu():
     assert data["lengths"][0]["max_batch"] > data["lengths"][1]["max_batch"]
 
 
+def test_an_estimated_table_for_several_gpus_books_ddps_buckets_in_every_trial():
+    import autobatch
+
+    # It raised AttributeError: the plan took DDP's buckets off a probe's limit, and an estimate has no probe.
+    result = run("estimate", "--model", MODEL, "--seq-len", "64,128", "--gpu-memory", "1GiB", "--gpus", "4",
+                 "--target", "64", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plan"]["world_size"] == 4
+
+    def rows(gpus):
+        request = autobatch.Request(model=MODEL, seq_len=(64, 128), gpu_memory="1GiB", gpus_per_node=gpus, target=64,
+                                    estimate=True)
+        return autobatch.answer(request).lengths.rows
+
+    one, four = rows(1), rows(4)
+    [grads] = {row.train.extra["ddp_buckets_bytes"] for row in four}
+    assert grads > 0 and all("ddp_buckets_bytes" not in row.train.extra for row in one)
+    for a, b in zip(one, four):  # the same trial on four GPUs holds the buckets more
+        alike = {t.batch: t.peak_bytes for t in a.train.trials}
+        assert all(t.peak_bytes - alike[t.batch] == grads for t in b.train.trials if t.batch in alike)
+        assert b.train.max_batch <= a.train.max_batch
+
+
 def test_check_says_the_micro_batch_was_never_probed_at_a_longer_length():
     found = run("find", "--model", MODEL, "--seq-len", "64,128", *DEVICE, "--train-seq-len", "64", "--target", "32")
     assert found.exit_code == 0, found.output

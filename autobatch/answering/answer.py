@@ -15,6 +15,7 @@ import torch
 from ..configs import write_plan_configs
 from ..distributed.zero import BUCKET_KEYS
 from ..errors import AutobatchError, RequestError
+from ..modelinfo import per_gpu_statistics
 from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
 from ..planning.plan import Plan
 from ..planning.solver import solve
@@ -96,6 +97,9 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         return report
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):
         note(FALLBACK_NOTE.format(uniform=report.plan))
+    said = _batchnorm_note(report)
+    if said is not None:
+        note(said)
     # Only where the probe held sizes of its own: a model with no hidden size ran DeepSpeed's, as the plugin will.
     zero = report.probed_zero or {}
     if any(key in zero for key in BUCKET_KEYS) and request.accelerate is not None and request.deepspeed is None:
@@ -107,6 +111,33 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
 SIZE_NOTE = ("{strategy} with no --fsdp-unit: solve knows no model, so every file and line wraps by size (a unit per "
              f"module of at least {SIZE_BASED_MIN_PARAMS:,} parameters; a small model is one unit); name the block to "
              "wrap each one, e.g. --fsdp-unit LlamaDecoderLayer, as find does for a model that has blocks")
+
+
+def _batchnorm_note(report: Report) -> str | None:
+    """What a plan of one sample per GPU does to the model's BatchNorm, where it has one whose
+    statistics are each GPU's own (``--min-micro 1`` lets the plan go below BatchNorm's 2)."""
+    plan, uneven = report.plan, report.uneven
+    micros = ({plan.micro_batch} if plan is not None else set()) | (
+        {rank.micro_batch for rank in uneven.ranks} if uneven is not None else set())
+    if 1 not in micros:
+        return None
+    results = [row.probe for row in report.rows if hasattr(row, "probe")]
+    if report.lengths is not None:
+        results += [row.train for row in report.lengths.rows]
+    layers = sorted({name for result in results for name in result.extra.get("batchnorm", ())})
+    ranks = plan.world_size if plan is not None else uneven.world_size
+    per_gpu = per_gpu_statistics(layers, ranks)
+    if not per_gpu:
+        return None
+    return BATCHNORM_NOTE.format(layers=" and ".join(per_gpu))
+
+
+# A batch of one trains where a channel holds more than one value (a conv net's pixels), so the probe passed.
+BATCHNORM_NOTE = ("the plan trains 1 sample per GPU, and the model's {layers} takes its statistics from each GPU's "
+                  "own micro batch: from one sample, training fails where a channel holds one value ('Expected more "
+                  "than 1 value per channel when training') and elsewhere normalises each sample by itself; "
+                  "--min-micro 2 (min_micro=2 from Python; the default for a model with BatchNorm) plans at least "
+                  "2, or torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) takes them over every GPU")
 
 
 def _held(zero: dict[str, Any]) -> str:
@@ -156,17 +187,18 @@ def _estimate(request: Request, note: Note, on_trial: Callable[[Any], None] | No
         note(f"{spec.name} has no bf16 ({spec.notes}): the estimate is of bf16 as asked, but on this card train "
              "with fp16 or fp32 (--dtype fp16)")
     gpus = request.gpus_here()
+    data_parallel = gpus * request.nodes // max(1, request.model_parallel)  # DDP's ranks, each holding its buckets
     if request.strategies is not None:
         rows = estimate_strategy_rows(request, spec, on_trial=on_trial)
         plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
         return Report(request, plan, rows=tuple(rows), gpu=spec)
     overheads = estimate_overheads(request)
     if request.table:
-        table, _ = length_table(request, None, {"gpu": spec, "overheads": overheads})
+        table, _ = length_table(request, None, {"gpu": spec, "overheads": overheads, "data_parallel": data_parallel})
         plan = table.plan(gpus_per_node=gpus, **request.planning())
         return Report(request, plan, lengths=table, gpu=spec)
     result = estimate(estimate_workload(request), spec, overheads=overheads, headroom=request.headroom, max_batch=request.max_micro,
-                      min_batch=request.min_micro, data_parallel=gpus * request.nodes // max(1, request.model_parallel),
+                      min_batch=request.min_micro, data_parallel=data_parallel,
                       on_trial=on_trial)
     plan = None
     if request.target is not None:

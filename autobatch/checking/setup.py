@@ -24,6 +24,7 @@ from ..configs.deepspeed import (
     ZERO_OPTIMIZATION,
 )
 from ..errors import AutobatchError
+from ..modelinfo import per_gpu_statistics
 from ..strategy import Strategy, parse_strategy, strategy_from_accelerate, strategy_from_deepspeed
 from .lengths import check_probed_length
 from .problems import _AUTO, CheckResult, _Collector, _fix_for
@@ -105,13 +106,12 @@ def check_setup(
     mp = c.positive_int("model_parallel", model_parallel)
     check_probed_length(c, given.micro, seq_len, probed)
 
-    bn = bool(batchnorm)
+    layers: tuple[str, ...] = ("BatchNorm",) if batchnorm else ()
     if model is not None:
-        from ..modelinfo import (
-            has_batchnorm,  # torch is imported only when a model is checked
-        )
+        from ..modelinfo import batchnorm_layers  # torch is imported only when a model is checked
 
-        bn = bn or has_batchnorm(model)
+        layers = tuple(dict.fromkeys(layers + batchnorm_layers(model)))
+    bn = bool(layers)
     min_micro = 2 if bn else 1
 
     # --- topology: arguments first, then the accelerate config, then one GPU -------------------
@@ -223,14 +223,18 @@ def check_setup(
             _compare(c, "accelerate-mismatch", acc_loaded[0], {"accum": accum}, resolved,
                      {"accum": "deepspeed_config.gradient_accumulation_steps"})
 
-    if bn and 1 in micros:
+    per_gpu = per_gpu_statistics(layers, world)
+    if per_gpu and 1 in micros:
         c.add(
             "batchnorm",
-            "a model with BatchNorm needs at least 2 samples per GPU, but the micro batch is 1"
+            f"a model with {' and '.join(per_gpu)} needs at least 2 samples per GPU, but the micro batch is 1"
             + (f" in {ds_loaded[0]}" if ds_loaded is not None and flags.micro != 1 else "")
-            + "; training fails with 'Expected more than 1 value per channel when training'",
+            + ": its statistics come from each GPU's own micro batch, so training fails where a channel holds one "
+            "value ('Expected more than 1 value per channel when training') and elsewhere normalises each sample "
+            "by itself",
             "use a micro batch of at least 2"
-            + (f": {_fix_for(resolved.target, *topo, 2)}" if resolved.target is not None else ""),
+            + (f": {_fix_for(resolved.target, *topo, 2)}" if resolved.target is not None else "")
+            + ", or torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) on several GPUs",
             micro_batch=1,
         )
     if resolved.target is None and resolved.micro is None and ds_loaded is None and not c.problems:

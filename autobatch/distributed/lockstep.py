@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import AutobatchError, NoBatchFitsError
-from ..modelinfo import min_batch_for
+from ..modelinfo import batchnorm_record, min_batch_for
 from ..probing.backends import DeviceInfo, MemoryBackend
 from ..probing.heap import frozen_heap
 from ..probing.oom import is_oom_error
@@ -143,6 +143,7 @@ def probe_distributed(
 
     model = error = None
     needed = min_batch or 1
+    batchnorm: dict[str, list[str]] = {}
     try:
         if backend is None:
             backend = make_backend(f"cuda:{rank_gpu()}" if torch.cuda.is_available() else "cpu")  # this rank's GPU
@@ -150,6 +151,7 @@ def probe_distributed(
         if not isinstance(model, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
         needed = min_batch if min_batch is not None else min_batch_for(model)
+        batchnorm = batchnorm_record(model)
         if chosen is not None:  # every rank refuses alike, before any collective could wait on it
             from .simulated_world import offload_on_the_host
 
@@ -285,7 +287,7 @@ def probe_distributed(
         wrapped="ddp" if use_ddp else None if chosen is None else chosen.label,
         own_limits=own,
         workload=workload.name,
-        extra={**prior_report(prior), **({} if chosen is None else {"sharding": sharding_report(
+        extra={**prior_report(prior), **batchnorm, **({} if chosen is None else {"sharding": sharding_report(
             chosen, world, breakdowns.get(outcome.max_batch), configs.get(outcome.max_batch), simulated=False)})},
     )
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
-from ..modelinfo import min_batch_for
+from ..modelinfo import batchnorm_record, min_batch_for
 from ..probing.backends import MemoryBackend
 from ..probing.heap import frozen_heap
 from ..probing.probe import DEFAULT_HEADROOM, prior_report, resolve_headroom, result_from_search
@@ -166,7 +166,8 @@ def probe_sharded(
         fix=_advice(strategy),
         extra={"sharding": {**sharding_report(strategy, world_size, breakdowns.get((worst, outcome.max_batch)),
                                               configs.get(outcome.max_batch)),
-                            "ranks_played": played, "limiting_rank": worst}, **prior_report(prior)},
+                            "ranks_played": played, "limiting_rank": worst}, **prior_report(prior),
+               **batchnorm_record(template)},
     )
 
 

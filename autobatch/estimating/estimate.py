@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError, NoBatchFitsError
-from ..modelinfo import min_batch_for, require_materialized
+from ..modelinfo import batchnorm_record, min_batch_for, require_materialized
 from ..probing.preserve import enable_checkpointing
 from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
 from ..probing.progress import working
@@ -360,5 +360,5 @@ def estimate(
                else "fp32" if dtype is None else str(dtype).removeprefix("torch.")),
         extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
                # the batches read off the one symbolic trace; the others were traced at their size
-               "traced_once_for": answered},
+               "traced_once_for": answered, **batchnorm_record(model)},
     )

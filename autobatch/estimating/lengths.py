@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..modelinfo import min_batch_for
+from ..modelinfo import batchnorm_record, min_batch_for
 from ..probing.evaluation import run_eval_trial
 from ..probing.probe import MemorySummary
 from ..probing.result import not_led
@@ -34,12 +34,14 @@ class FakeLengthRunner:
         workload: its ``make_batch(b, seq_len)`` builds a batch at any length.
         gpu, gpu_memory, overheads: as for :func:`~.estimate.estimate`.
         min_batch: default 2 for models with BatchNorm, else 1.
+        data_parallel: the ranks DDP trains on; above one every trial holds its gradient buckets
+            (as many bytes as the gradients), as :func:`~.estimate.estimate`'s do.
     """
 
     estimated = True
 
     def __init__(self, workload: Workload, gpu: str | GpuSpec | None = None, *, gpu_memory: int | str | None = None,
-                 overheads: Overheads | None = None, min_batch: int | None = None):
+                 overheads: Overheads | None = None, min_batch: int | None = None, data_parallel: int = 1):
         self.started = time.perf_counter()
         self.spec = resolve_gpu(gpu, gpu_memory)
         self.overheads = overheads if overheads is not None else Overheads()
@@ -48,6 +50,8 @@ class FakeLengthRunner:
         self.fake_mode = _mode_of(workload.model) or _new_fake_mode()
         self.model = training_copy(workload, self.fake_mode)
         self.min_batch = min_batch_for(self.model) if min_batch is None else min_batch
+        self.buckets = sum(p.numel() * p.element_size() for p in self.model.parameters()
+                           if p.requires_grad) if data_parallel > 1 else 0
         self.device_name = f"{self.spec.name} (estimated: fake-tensor trace, no GPU used)"
         self.traced: dict[tuple[str, int], list[Trial]] = {}
 
@@ -59,7 +63,7 @@ class FakeLengthRunner:
         backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention, recomputed=self.workload.grad_checkpointing)
         raw = replace(run(self._at(seq_len), self.model, backend, batch), seconds_per_step=None)
         self.traced.setdefault((mode, seq_len), []).append(raw)
-        return on_gpu(raw, self.overheads, self.capacity)
+        return on_gpu(raw, self.overheads, self.capacity, self.buckets)
 
     def train(self, batch: int, seq_len: int) -> Trial:
         return self._trace("train", batch, seq_len, lambda w, m, b, n: trace_trial(
@@ -79,7 +83,8 @@ class FakeLengthRunner:
             traced=tuple(self.traced.get((mode, seq_len), ())), seconds=time.perf_counter() - self.started,
             workload=self.workload.name,
             dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
-            extra={"trace_prior": not_led(IS_THE_TRACE)},
+            extra={"trace_prior": not_led(IS_THE_TRACE), **batchnorm_record(self.model),
+                   **({"ddp_buckets_bytes": self.buckets} if self.buckets else {})},
         )
 
     def close(self) -> Any:

@@ -93,6 +93,7 @@ def probe_lengths(
     gpu: Any = None,
     gpu_memory: int | str | None = None,
     overheads: Any = None,
+    data_parallel: int = 1,
     on_trial: Callable[[Trial, int, str], None] | None = None,
 ) -> LengthTable:
     """Probe the exact max and safe batch at every length in ``seq_lens``, longest first.
@@ -115,6 +116,8 @@ def probe_lengths(
         headroom, max_batch, min_batch: as for :func:`~autobatch.probe`.
         gpu, gpu_memory, overheads: estimate for a named GPU on fake tensors instead (as
             :func:`~autobatch.estimate`); no device is used.
+        data_parallel: with ``gpu``, the ranks DDP trains on: above one each trial holds DDP's
+            gradient buckets, as the estimate's do. (A probe takes them off its limit when planned.)
         on_trial: called as ``on_trial(trial, seq_len, "train" | "eval")`` after each trial.
 
     Example:
@@ -137,7 +140,8 @@ def probe_lengths(
     if gpu is not None or gpu_memory is not None:
         from ..estimating.lengths import FakeLengthRunner
 
-        runner: Any = FakeLengthRunner(work, gpu, gpu_memory=gpu_memory, overheads=overheads, min_batch=min_batch)
+        runner: Any = FakeLengthRunner(work, gpu, gpu_memory=gpu_memory, overheads=overheads, min_batch=min_batch,
+                                       data_parallel=data_parallel)
     else:
         from .runner import DeviceLengthRunner
 

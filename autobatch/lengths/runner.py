@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError
-from ..modelinfo import min_batch_for
+from ..modelinfo import batchnorm_record, min_batch_for
 from ..probing.backends import MemoryBackend
 from ..probing.evaluation import run_eval_trial
 from ..probing.heap import frozen_heap
@@ -42,6 +42,7 @@ class DeviceLengthRunner:
         if not isinstance(model, torch.nn.Module):
             raise AutobatchError(f"the model factory must return a torch.nn.Module, but it returned {type(model).__name__}")
         self.min_batch = min_batch_for(model) if min_batch is None else min_batch
+        self.batchnorm = batchnorm_record(model)
         self.device_name = backend.info().name
         self._stack = ExitStack()
         # Each trial's release() collects garbage: with the heap frozen it walks only what the table made.
@@ -71,7 +72,7 @@ class DeviceLengthRunner:
             headroom_bytes=headroom_bytes, bytes_per_sample=summary.bytes_per_sample,
             fixed_bytes=summary.fixed_bytes, safe_peak_bytes=summary.safe_peak_bytes,
             safe_peak_measured=summary.safe_peak_measured, workload=self.workload.name,
-            extra={"trace_prior": not_led(LED_BY_LENGTHS)},
+            extra={"trace_prior": not_led(LED_BY_LENGTHS), **self.batchnorm},
         )
 
     def close(self) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError, MinimumBatchError, NoBatchFitsError, assigned
-from ..modelinfo import min_batch_for, require_materialized
+from ..modelinfo import batchnorm_record, min_batch_for, require_materialized
 from ..units import format_bytes, parse_bytes
 from .backends import CudaBackend, MemoryBackend, SimulatedBackend
 from .oom import is_oom_error
@@ -63,14 +63,15 @@ def for_data_parallel(result: ProbeResult, data_parallel: int) -> ProbeResult:
     re-derived from the same trials with the buckets' bytes taken off the limit.
     """
     under_ddp = result.extra.get("distributed", {}).get("wrapped") == "ddp"
-    if data_parallel <= 1 or under_ddp or not result.gradient_bytes or "ddp_buckets_bytes" in result.extra:
+    gradient_bytes = getattr(result, "gradient_bytes", None)  # an estimate books the buckets in its own trials
+    if data_parallel <= 1 or under_ddp or not gradient_bytes or "ddp_buckets_bytes" in result.extra:
         return result  # one rank, buckets measured, nothing to train, or counted already
-    limit = result.capacity_bytes - result.headroom_bytes - result.gradient_bytes
+    limit = result.capacity_bytes - result.headroom_bytes - gradient_bytes
     summary = summarise(result.trials, result.max_batch, limit)
-    peak = None if summary.safe_peak_bytes is None else summary.safe_peak_bytes + result.gradient_bytes
+    peak = None if summary.safe_peak_bytes is None else summary.safe_peak_bytes + gradient_bytes
     return replace(
         result, safe_batch=summary.safe_batch, safe_peak_bytes=peak, safe_peak_measured=summary.safe_peak_measured,
-        extra={**result.extra, "ddp_buckets_bytes": result.gradient_bytes},
+        extra={**result.extra, "ddp_buckets_bytes": gradient_bytes},
     )
 
 
@@ -247,6 +248,7 @@ def probe(
             min_batch = min_batch_for(model)
         if max_batch is not None and max_batch < min_batch:
             raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
+        batchnorm = batchnorm_record(model)
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
         def run(batch: int) -> Trial:
@@ -273,7 +275,7 @@ def probe(
         return result_from_search(
             outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
             workload=workload.name, fix="use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, a smaller model or a larger device",
-            gradient_bytes=gradient_bytes, extra=prior_report(prior),
+            gradient_bytes=gradient_bytes, extra={**prior_report(prior), **batchnorm},
         )
 
 

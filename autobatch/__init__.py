@@ -57,6 +57,7 @@ __all__ = [
     # planning and checking
     "Plan",
     "LRAdvice",
+    "TrainedWith",
     "solve",
     "exact_plans",
     # mixed GPUs: a plan per rank, and the sampler that trains it
@@ -164,6 +165,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "probe_lengths": ("lengths", "probe_lengths"),
     "Plan": ("planning.plan", "Plan"),
     "LRAdvice": ("planning.plan", "LRAdvice"),
+    "TrainedWith": ("planning.plan", "TrainedWith"),
     "solve": ("planning.solver", "solve"),
     "exact_plans": ("planning.solver", "exact_plans"),
     "RankLimit": ("planning.per_rank", "RankLimit"),

@@ -121,7 +121,10 @@ def test_writer_methods_delegate_to_the_config_modules():
         "autobatch.configs.hf",
         "autobatch.configs.lightning",
         "autobatch.configs.launch",
+        "autobatch.configs.trained",
         "autobatch.strategy",
+        "autobatch.modelinfo",
+        "autobatch.estimating.gpus",
     ],
 )
 def test_docstring_examples_run(module):

@@ -17,7 +17,7 @@ from ..distributed.zero import BUCKET_KEYS
 from ..errors import AutobatchError, RequestError
 from ..modelinfo import per_gpu_statistics
 from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
-from ..planning.plan import Plan
+from ..planning.plan import Plan, TrainedWith
 from ..planning.solver import solve
 from ..probing.probe import for_data_parallel, make_backend
 from ..probing.progress import listening
@@ -94,7 +94,7 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
     else:
         report = _probe(request, note, on_trial)
     if not report.main_rank:
-        return report
+        return _found_under(report)
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):
         note(FALLBACK_NOTE.format(uniform=report.plan))
     said = _batchnorm_note(report)
@@ -151,17 +151,29 @@ PLUGIN_NOTE = ("{accelerate} trains ZeRO through accelerate's DeepSpeed plugin, 
                "add --deepspeed ds.json and the accelerate config names that file, which holds the probed ones")
 
 
-def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | None = None) -> Report:
-    """The report with the configs (and the plot) its request names written, and what merging changed."""
+def _found_under(report: Report) -> Report:
+    """The report whose plan carries what its batch was found under (:class:`TrainedWith`), which every
+    config helper then trains with: ``deepspeed_config(autobatch.find(…, dtype="bf16"))`` is bf16."""
     from dataclasses import replace
 
+    if report.plan is None or report.plan.trained_with is not None:
+        return report
+    found = TrainedWith(strategy=report.strategy, probed_zero=report.probed_zero, **report.training())
+    return replace(report, plan=replace(report.plan, trained_with=found))
+
+
+def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | None = None) -> Report:
+    """The report with the configs (and the plot) its request names written, and what merging changed;
+    its plan carries what its batch was found under, which every config helper then trains with."""
+    from dataclasses import replace
+
+    report = _found_under(report)
     request, plan = report.request, report.plan
     written = {} if into is None else into
     changes: list[str] = []
-    if plan is not None and len(report.rows) <= 1:
+    if plan is not None and len(report.rows) <= 1:  # the plan carries its strategy, precision, …: every file trains so
         write_plan_configs(plan, **request.outputs(), keep_auto=request.keep_auto, written=written, changes=changes,
-                           strategy=report.strategy, probed_zero=report.probed_zero, eval_batch=report.eval_batch,
-                           **report.training())
+                           eval_batch=report.eval_batch)
     if request.plot is not None and report.finding is not None:
         from ..tuning.plot import plot_probe
 

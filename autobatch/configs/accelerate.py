@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy, as_strategy
 from .files import read_config, write_config
+from .trained import trained_with
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -59,7 +60,7 @@ def accelerate_config(
     plan: Plan,
     deepspeed_config_file: str | os.PathLike[str] | None = None,
     *,
-    mixed_precision: str = "no",
+    mixed_precision: str | None = None,
     main_process_ip: str | None = None,
     main_process_port: int = 29500,
     strategy: Strategy | str | None = None,
@@ -71,20 +72,24 @@ def accelerate_config(
         deepspeed_config_file: Use DeepSpeed with this JSON (write it with
             :func:`~autobatch.configs.deepspeed.write_deepspeed_config`).
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; not written with DeepSpeed, whose
-            JSON decides precision (accelerate refuses both).
+            JSON decides precision (accelerate refuses both). Not given: the autocast precision
+            of ``plan.trained_with``, else ``"no"``.
         main_process_ip: Address of node 0, for multi-node jobs.
         main_process_port: Port on node 0, for multi-node jobs.
         strategy: The strategy the micro batch was probed under: FSDP writes accelerate's FSDP
             plugin (``fsdp_version`` 1 or 2, one unit per ``strategy.unit`` block); ZeRO without a
             DeepSpeed file writes the DeepSpeed plugin with its stage, offload and accumulation
-            (with a file, the stage lives in the file).
+            (with a file, the stage lives in the file). Not given: ``plan.trained_with``'s.
 
     Example:
         >>> from autobatch.planning.plan import Plan
         >>> accelerate_config(Plan(7, 2, gpus_per_node=16))["distributed_type"]
         'MULTI_GPU'
     """
-    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
+    found = trained_with(plan, strategy=strategy)
+    strategy = as_strategy(found.strategy)
+    if mixed_precision is None:  # autocast as the batch was found; pure bf16 weights are the model's own
+        mixed_precision = found.precision if found.precision in ("bf16", "fp16") else "no"
     zero = strategy is not None and strategy.is_deepspeed
     fsdp = strategy is not None and strategy.is_fsdp
     if deepspeed_config_file is not None or zero:
@@ -274,11 +279,16 @@ def write_accelerate_config(
 
     An existing file is merged instead (:func:`merge_accelerate_config`): only the keys the plan
     decides change, the user's others are kept. ``precision`` (``"bf16"``/``"fp16"``, what the
-    batch was probed with) becomes ``mixed_precision`` where no DeepSpeed file decides it.
+    batch was probed with) becomes ``mixed_precision`` where no DeepSpeed file decides it. It and
+    ``strategy``, not given, are read from ``plan.trained_with``.
 
     Example:
         >>> write_accelerate_config(plan, "accelerate.yaml", "ds_config.json")  # doctest: +SKIP
     """
+    found = trained_with(plan, strategy=kwargs.get("strategy"), precision=precision)
+    precision = found.precision
+    if found.strategy is not None:
+        kwargs["strategy"] = found.strategy
     if precision in ("bf16", "fp16") and deepspeed_config_file is None:  # (the DeepSpeed JSON says it otherwise)
         kwargs.setdefault("mixed_precision", precision)
     config = accelerate_config(plan, deepspeed_config_file, **kwargs)

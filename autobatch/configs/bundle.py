@@ -13,6 +13,7 @@ from .accelerate import describe_changes, write_accelerate_config
 from .deepspeed import write_deepspeed_config
 from .files import _JSON, _YAML, ConfigFileError, read_config, write_config
 from .hf import hf_training_args
+from .trained import trained_with
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
@@ -96,7 +97,7 @@ def write_plan_configs(
     strategy: Strategy | str | None = None,
     probed_zero: dict[str, Any] | None = None,
     precision: str | None = None,
-    grad_checkpointing: bool = False,
+    grad_checkpointing: bool | None = None,
 ) -> dict[str, str]:
     """Write the requested files from one plan; return ``{kind: path}`` of what was written.
 
@@ -122,11 +123,17 @@ def write_plan_configs(
             only so. An accelerate file's own ``mixed_precision``, which accelerate refuses beside
             a DeepSpeed file, is moved into the DeepSpeed JSON rather than dropped.
 
+    ``strategy``, ``probed_zero``, ``precision`` and ``grad_checkpointing`` not given are read from
+    ``plan.trained_with``.
+
     Example:
         >>> write_plan_configs(plan, deepspeed="ds.json", accelerate="accelerate.yaml")  # doctest: +SKIP
         {'deepspeed_config': 'ds.json', 'accelerate_config': 'accelerate.yaml'}
     """
-    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
+    found = trained_with(plan, strategy=strategy, probed_zero=probed_zero, precision=precision,
+                         grad_checkpointing=grad_checkpointing)
+    strategy, probed_zero, precision = as_strategy(found.strategy), found.probed_zero, found.precision
+    grad_checkpointing = found.grad_checkpointing
     written = {} if written is None else written
     changes = [] if changes is None else changes
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import AutobatchError
 from ..strategy import Strategy, as_strategy
 from .files import read_config, write_config
+from .trained import trained_with
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
@@ -102,6 +103,9 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
             accelerate config held, which accelerate refuses beside a DeepSpeed file): enabled, and
             the other one disabled where the config had it on.
 
+    ``strategy``, ``probed_zero`` and ``precision`` not given are read from ``plan.trained_with``
+    (a plan from :func:`~autobatch.find` carries what its batch was found under).
+
     Example:
         >>> from autobatch.planning.plan import Plan
         >>> deepspeed_config(Plan(7, 2, gpus_per_node=16), {"zero_optimization": {"stage": 2}})
@@ -109,7 +113,8 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         >>> deepspeed_config(Plan(7, 2, gpus_per_node=16))
         {'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2, 'zero_optimization': {'stage': 0}}
     """
-    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
+    found = trained_with(plan, strategy=strategy, probed_zero=probed_zero, precision=precision)
+    strategy, probed_zero, precision = as_strategy(found.strategy), found.probed_zero, found.precision
     config = copy.deepcopy(existing) if existing is not None else {}
     for key, value in zip(BATCH_KEYS, (plan.global_batch, plan.micro_batch, plan.grad_accum)):
         if keep_auto and config.get(key) == "auto":

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..strategy import SIZE_BASED_MIN_PARAMS, Strategy, as_strategy
+from .trained import trained_with
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
@@ -20,7 +21,7 @@ __all__ = ["hf_training_args", "hf_flags", "hf_fsdp"]
 
 def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None, *,
                      eval_batch: int | None = None, strategy: Strategy | str | None = None,
-                     precision: str | None = None, grad_checkpointing: bool = False,
+                     precision: str | None = None, grad_checkpointing: bool | None = None,
                      probed_zero: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments``.
 
@@ -37,12 +38,18 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
             into that dict: without them DeepSpeed takes its own defaults (a 500,000,000-element
             gradient bucket, 954 MiB a GPU in fp16), which the probe did not hold.
 
+    ``strategy``, ``precision``, ``grad_checkpointing`` and ``probed_zero`` not given are read from
+    ``plan.trained_with`` (a plan from :func:`~autobatch.find` carries what its batch was found under).
+
     Example:
         >>> from autobatch.planning.plan import Plan
         >>> hf_training_args(Plan(7, 2, gpus_per_node=16))
         {'per_device_train_batch_size': 7, 'gradient_accumulation_steps': 2}
     """
-    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
+    found = trained_with(plan, strategy=strategy, precision=precision, grad_checkpointing=grad_checkpointing,
+                         probed_zero=probed_zero)
+    strategy, precision, probed_zero = as_strategy(found.strategy), found.precision, found.probed_zero
+    grad_checkpointing = found.grad_checkpointing
     args: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,

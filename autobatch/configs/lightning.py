@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..strategy import SIZE_BASED_MIN_PARAMS, as_strategy
+from .trained import trained_with
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
@@ -139,13 +140,15 @@ def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | Non
     ``"configure_model"`` line too: what the LightningModule's ``configure_model`` applies. Under ZeRO
     with ``probed_zero`` (the ``zero_optimization`` values the probe ran with), ``DeepSpeedStrategy``
     takes them as its config; Lightning's registry names would train with its own bucket sizes.
+    Any of ``strategy``, ``precision`` and ``probed_zero`` not given is read from ``plan.trained_with``.
 
     Example:
         >>> from autobatch.planning.plan import Plan
         >>> lightning_settings(Plan(7, 2, gpus_per_node=16))
         {'trainer': {'accumulate_grad_batches': 2, 'devices': 16, 'num_nodes': 1}, 'dataloader': {'batch_size': 7}}
     """
-    strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
+    found = trained_with(plan, strategy=strategy, precision=precision, probed_zero=probed_zero)
+    strategy, precision, probed_zero = as_strategy(found.strategy), found.precision, found.probed_zero
     trainer: dict[str, Any] = {
         "accumulate_grad_batches": plan.grad_accum,
         "devices": plan.gpus_per_node,

@@ -18,7 +18,7 @@ from ..errors import AutobatchError
 if TYPE_CHECKING:
     pass
 
-__all__ = ["Plan", "LRAdvice", "require_positive_int"]
+__all__ = ["Plan", "LRAdvice", "TrainedWith", "require_positive_int"]
 
 
 def require_positive_int(name: str, value: object, *, fix: str = "") -> int:
@@ -85,6 +85,29 @@ class LRAdvice:
 
 
 @dataclass(frozen=True)
+class TrainedWith:
+    """What a plan's micro batch was found under, which training must keep for it to fit.
+
+    Attributes:
+        precision: ``"bf16"``/``"fp16"`` autocast, ``"bf16-true"``/``"fp16-true"`` pure weights, or
+            ``None`` for fp32.
+        grad_checkpointing: whether the probe recomputed activations.
+        strategy: the :class:`~autobatch.Strategy` it was probed under (``None``: one device, or DDP).
+        probed_zero: the ``zero_optimization`` values a ZeRO probe ran with (its bucket sizes).
+
+    Every config helper (:func:`~autobatch.deepspeed_config`, :func:`~autobatch.hf_training_args`,
+    :func:`~autobatch.accelerate_config`, :func:`~autobatch.lightning_settings`, …) reads it from
+    ``plan.trained_with`` for any of these not passed, so ``deepspeed_config(autobatch.find(…,
+    dtype="bf16", strategy="zero3"))`` trains bf16 under ZeRO-3, as the batch was found.
+    """
+
+    precision: str | None = None
+    grad_checkpointing: bool = False
+    strategy: Any = None
+    probed_zero: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     """Micro batch × gradient accumulation × data-parallel world size = global batch, exactly.
 
@@ -102,6 +125,8 @@ class Plan:
         reason: How the micro batch was chosen, in words.
         step_time: Predicted seconds per optimizer step, when step times were given.
         lr_advice: Scaled learning rates, when a base learning rate and batch were given.
+        trained_with: What the micro batch was found under (:class:`TrainedWith`), set by
+            :func:`~autobatch.find` and :func:`~autobatch.answer`; the config helpers train with it.
 
     ``world_size`` and ``global_batch`` are computed, never passed, so the identity cannot break.
 
@@ -121,6 +146,7 @@ class Plan:
     reason: str = ""
     step_time: float | None = None
     lr_advice: LRAdvice | None = None
+    trained_with: TrainedWith | None = field(default=None, compare=False)
     world_size: int = field(init=False)
     global_batch: int = field(init=False)
 
@@ -179,6 +205,6 @@ class Plan:
             "num_processes": self.num_processes,
             "arithmetic": str(self),
         }
-        data.update({k: v for k, v in asdict(self).items() if k not in data})
+        data.update({k: v for k, v in asdict(self).items() if k not in data and k != "trained_with"})
         data["lr_advice"] = None if self.lr_advice is None else self.lr_advice.to_dict()
         return data

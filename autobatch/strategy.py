@@ -23,7 +23,7 @@ from typing import Any
 from .errors import AutobatchError
 
 __all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies", "as_strategy",
-           "strategy_from_deepspeed", "strategy_from_accelerate"]
+           "strategy_from_deepspeed", "strategy_from_accelerate", "fsdp_sharding", "FSDP_SHARDINGS"]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
 # FSDP units of a model with no blocks, by size: torch's size_based_auto_wrap_policy and accelerate's
@@ -249,3 +249,40 @@ def strategy_from_accelerate(config: Mapping[str, Any], deepspeed: Mapping[str, 
     if kind == "MULTI_GPU":
         return Strategy("ddp")
     return None
+
+
+# accelerate's names for FSDP1's ShardingStrategy, in the order of their values 1–5 (FSDP_SHARDING_STRATEGY).
+FSDP_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+
+
+def fsdp_sharding(config: Mapping[str, Any]) -> tuple[str, str] | None:
+    """How an accelerate FSDP config shards, as ``(sharding, key)``: one of :data:`FSDP_SHARDINGS`
+    and the key that says it; ``None`` where it is not an FSDP config or the value is not one accelerate reads.
+
+    FSDP1 reads ``fsdp_reshard_after_forward`` (a name or 1–5), or the older ``fsdp_sharding_strategy``;
+    FSDP2 reads ``fsdp_reshard_after_forward`` as a bool, where ``false`` keeps the parameters gathered
+    from forward to backward, as ``SHARD_GRAD_OP`` does. Unset, both shard fully, as autobatch probes.
+
+    Example:
+        >>> fsdp_sharding({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": 3}})
+        ('NO_SHARD', 'fsdp_sharding_strategy')
+        >>> fsdp_sharding({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False}})
+        ('SHARD_GRAD_OP', 'fsdp_reshard_after_forward')
+    """
+    section = config.get("fsdp_config")
+    if str(config.get("distributed_type", "")).upper() != "FSDP":
+        return None
+    section = section if isinstance(section, Mapping) else {}
+    if str(section.get("fsdp_version", 1)) == "2":
+        value = section.get("fsdp_reshard_after_forward", True)
+        flag = str(value).strip().lower()
+        if flag not in ("true", "false"):
+            return None
+        return ("FULL_SHARD" if flag == "true" else "SHARD_GRAD_OP"), "fsdp_reshard_after_forward"
+    for key in ("fsdp_reshard_after_forward", "fsdp_sharding_strategy"):
+        if key in section:
+            value = str(section[key]).strip().upper()
+            if value.isdigit() and 1 <= int(value) <= len(FSDP_SHARDINGS):
+                return FSDP_SHARDINGS[int(value) - 1], key
+            return (value, key) if value in FSDP_SHARDINGS else None
+    return "FULL_SHARD", "fsdp_reshard_after_forward"

@@ -15,6 +15,7 @@ from autobatch.configs import accelerate_config, deepspeed_config
 from autobatch.errors import ConfigError
 from autobatch.planning.plan import Plan
 from autobatch.planning.solver import solve
+from autobatch.strategy import Strategy
 from tests.deepspeed_parse import deepspeed_parse
 from tests.tiny import cnn, mlp
 from tests.extras import need
@@ -384,3 +385,111 @@ def test_configs_solve_wrote_for_model_parallelism_say_which_degree_when_checked
     result = check_setup(accelerate=acc)
     assert "pass --model-parallel 2" in result.problems[0].fix
     assert check_setup(accelerate=acc, model_parallel=2).ok
+
+
+def _suggested(fix: str) -> tuple[list[int], list[int]]:
+    """The global batches and world sizes a fix proposes."""
+    import re
+
+    batches = re.search(r"use a global batch of (\d+)(?: or (\d+))?", fix)
+    worlds = re.search(r"on a world size of ([\d, ]+)", fix)
+    return ([int(b) for b in batches.groups() if b] if batches else [],
+            [int(w) for w in worlds.group(1).split(",") if w.strip()] if worlds else [])
+
+
+@pytest.mark.parametrize("micro", [4, 8, "auto", None])
+@pytest.mark.parametrize("accum", [3, "auto", None])
+def test_every_global_batch_and_world_size_a_deepspeed_fix_proposes_passes_the_check(micro, accum):
+    # `check --deepspeed` proposed 63 or 66 for micro 4 on 3 GPUs, where the file's micro batch needs a multiple of 12
+    tried = 0
+    for target in (64, 100, 256):
+        for gpus in (3, 5, 6):
+            ds = {k: v for k, v in (("train_batch_size", target), ("train_micro_batch_size_per_gpu", micro),
+                                    ("gradient_accumulation_steps", accum)) if v is not None}
+            result = check_setup(gpus_per_node=gpus, deepspeed=ds)
+            for problem in result.problems:
+                if problem.code not in ("deepspeed-assertion", "deepspeed-auto"):
+                    continue
+                batches, worlds = _suggested(problem.fix)
+                assert batches, problem.fix
+                for batch in batches:
+                    again = check_setup(gpus_per_node=gpus, deepspeed={**ds, "train_batch_size": batch})
+                    assert problem.code not in codes(again), (ds, gpus, problem.fix, again.problems)
+                    tried += 1
+                for world in worlds:
+                    again = check_setup(gpus_per_node=world, deepspeed=ds)
+                    assert problem.code not in codes(again), (ds, world, problem.fix, again.problems)
+                    tried += 1
+    if micro is not None and micro != "auto" or accum == 3:
+        assert tried > 0  # the grid holds files that fail
+
+
+def _plugin(stage, offload="none", **more):
+    return {"distributed_type": "DEEPSPEED", "num_processes": 8, "num_machines": 1,
+            "deepspeed_config": {"zero_stage": stage, "offload_optimizer_device": offload,
+                                 "offload_param_device": "none", **more}}
+
+
+def _fsdp(**config):
+    return {"distributed_type": "FSDP", "num_processes": 8, "num_machines": 1, "fsdp_config": config}
+
+
+@pytest.mark.parametrize("acc, probed, said", [
+    # accelerate's DeepSpeed plugin says its stage itself: it was never read
+    (_plugin(2), "zero3", "trains with zero2, which keeps more state on each GPU: the micro batch may run out"),
+    (_plugin(3), "zero3", None),
+    (_plugin(3), Strategy("zero3", offload="optimizer"), "trains with zero3, which keeps more state on each GPU"),
+    (_plugin(3, "cpu"), "zero3", "trains with zero3+offload-optimizer, which keeps less state on each GPU"),
+    # FSDP that does not shard fully, in every spelling accelerate reads
+    (_fsdp(fsdp_sharding_strategy="NO_SHARD"), "fsdp1", "fsdp_sharding_strategy: NO_SHARD, which keeps every "
+                                                        "parameter, gradient and optimizer state whole, as DDP"),
+    (_fsdp(fsdp_reshard_after_forward="SHARD_GRAD_OP"), "fsdp1", "fsdp_reshard_after_forward: SHARD_GRAD_OP, which "
+                                                                 "keeps the parameters gathered from forward to backward"),
+    (_fsdp(fsdp_sharding_strategy=4), "fsdp1", "fsdp_sharding_strategy: 4 (HYBRID_SHARD), which keeps every state "
+                                               "sharded within a node only"),
+    (_fsdp(fsdp_version=2, fsdp_reshard_after_forward=False), "fsdp2", "fsdp_reshard_after_forward: false "
+                                                                       "(SHARD_GRAD_OP)"),
+    (_fsdp(fsdp_version=2, fsdp_reshard_after_forward=True), "fsdp2", None),
+    (_fsdp(fsdp_reshard_after_forward="FULL_SHARD"), "fsdp1", None),
+    # as much sharded, another layout: neither more nor less
+    (_fsdp(fsdp_version=2), "fsdp1", "trains with fsdp2, which shards as much but holds it otherwise"),
+])
+def test_check_reads_how_an_accelerate_config_shards(acc, probed, said):
+    result = check_setup(target=256, micro_batch=8, grad_accum=4, accelerate=acc, probed_strategy=probed)
+    mismatches = [p for p in result.problems if p.code == "strategy-mismatch"]
+    if said is None:
+        assert mismatches == [] and result.ok, result.problems
+    else:
+        [problem] = mismatches
+        assert said in problem.message, problem.message
+
+
+def test_fsdp_without_sharding_holds_what_ddp_holds_as_probed():
+    result = check_setup(target=256, micro_batch=8, grad_accum=4, accelerate=_fsdp(fsdp_sharding_strategy=3),
+                         probed_strategy="ddp")
+    assert result.ok and any("fsdp_sharding_strategy: 3 (NO_SHARD), which holds on each GPU about what ddp holds"
+                             in note for note in result.notes), result.notes
+    assert not any("do not say how training shards" in note for note in result.notes)
+
+
+def test_the_accumulation_of_accelerates_deepspeed_plugin_fills_the_one_not_given():
+    # it was taken as 1 and the file's 4 flagged as a mismatch
+    result = check_setup(micro_batch=8, accelerate=_plugin(2, gradient_accumulation_steps=4))
+    assert result.ok, result.problems
+    assert (result.global_batch, result.grad_accum) == (256, 4)
+    assert "took gradient_accumulation_steps=4 from the accelerate config" in result.notes
+    wrong = check_setup(micro_batch=8, target=128, accelerate=_plugin(2, gradient_accumulation_steps=4))
+    assert codes(wrong) == ["accelerate-mismatch"]
+
+
+@pytest.mark.parametrize("fp16, bf16, key, bad", [
+    (True, True, "bf16", True), (True, True, "bfloat16", True), ("true", 1, "bf16", True),
+    (True, False, "bf16", False), ("auto", "auto", "bf16", False), (False, True, "bf16", False),
+])
+def test_fp16_and_bf16_both_enabled_is_deepspeeds_start_up_assertion(fp16, bf16, key, bad):
+    ds = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
+          "fp16": {"enabled": fp16}, key: {"enabled": bf16}}
+    result = check_setup(gpus_per_node=4, deepspeed=ds)
+    assert ("deepspeed-precision" in codes(result)) is bad
+    if bad:
+        assert "'bfloat16 and fp16 modes cannot be simultaneously enabled'" in result.problems[0].message

@@ -193,3 +193,34 @@ def _fix_for(target: int, gpus: int, nodes: int, mp: int, min_micro: int) -> str
         sizes = f", or a world size of {', '.join(map(str, exc.world_sizes))}" if exc.world_sizes else ""
         return f"use a global batch of {near} on {exc.world_size} GPUs{sizes}"
     return "re-run autobatch solve for this topology"  # unreachable: no plans means solve raises
+
+
+def _fix_pinned(target: int, micro: int | None, accum: int | None, topo: tuple[int, int, int], min_micro: int) -> str:
+    """The fix for a file that sets its micro batch or its accumulation itself: global batches that are
+    a multiple of what it sets per rank × the world size, the world sizes that take ``target`` as it
+    stands, and, where the micro batch is set and others reach ``target``, those.
+    With neither set, :func:`_fix_for`."""
+    if micro is None and accum is None:
+        return _fix_for(target, *topo, min_micro)
+    gpus, nodes, mp = topo
+    world = gpus * nodes // mp
+    per_rank = (micro or 1) * (accum or 1)
+    step = per_rank * (world if micro is not None else world * min_micro)  # a derived micro batch is ≥ min_micro
+    pinned = " × ".join(str(n) for n in (micro, accum) if n is not None)
+    if micro is None:
+        pinned += f" accumulation steps" + (f" × {min_micro} samples" if min_micro > 1 else "")
+    if micro is not None and accum is not None:  # all three set: the identity leaves one global batch
+        fix = f"use a global batch of {step} (= {pinned} × {world} GPUs)"
+    else:
+        below, above = target // step * step, (target // step + 1) * step
+        near = f"{below} or {above}" if below >= step else f"{above}"
+        fix = f"use a global batch of {near} (a multiple of {pinned} × {world} GPUs = {step})"
+    if target % per_rank == 0:
+        ranks = [d for d in range(1, min(target // per_rank, 4096) + 1)
+                 if (target // per_rank) % d == 0 and d != world and (micro is not None or target // per_rank // d >= min_micro)]
+        if ranks:
+            shown = ", ".join(map(str, ranks[:8])) + (", …" if len(ranks) > 8 else "")
+            fix += f", or {target} on a world size of {shown}"
+    if micro is not None and exact_plans(target, gpus, nodes, min_micro=min_micro, model_parallel=mp):
+        fix += f", or change the micro batch: {_fix_for(target, *topo, min_micro)}"
+    return fix

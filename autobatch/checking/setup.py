@@ -25,7 +25,7 @@ from ..configs.deepspeed import (
 )
 from ..errors import AutobatchError
 from ..modelinfo import per_gpu_statistics
-from ..strategy import Strategy, parse_strategy, strategy_from_accelerate, strategy_from_deepspeed
+from ..strategy import Strategy, fsdp_sharding, parse_strategy, strategy_from_accelerate, strategy_from_deepspeed
 from .lengths import check_probed_length
 from .problems import _AUTO, CheckResult, _Collector, _fix_for
 from .views import (
@@ -36,6 +36,7 @@ from .views import (
     _deepspeed_values,
     _deepspeed_auto_view,
     _deepspeed_open_view,
+    _precision_view,
     _zero_stage_view,
     _deepspeed_view,
     _fill_auto,
@@ -182,6 +183,7 @@ def check_setup(
                 f'HF Trainer and accelerate refuse it (add "{ZERO_OPTIMIZATION}": {{"stage": 0}})'
             )
         _zero_stage_view(c, ds_label, ds)
+        _precision_view(c, ds_label, ds)
         values = _deepspeed_values(c, ds_label, ds)
     determined = sum(n is not None for n in given.numbers()) >= 2 and (given.target, given.micro) != (None, None)
     if values is not None and not determined and (given.target is not None or given.micro is not None):
@@ -194,6 +196,18 @@ def check_setup(
                 numbers[n] = values[key]
                 c.note(f"took {key}={values[key]} from {ds_loaded[0]}")  # type: ignore[index]
         given = _Batch(*numbers)
+    acc_accum = None  # accelerate's DeepSpeed plugin holds the accumulation too
+    if acc_loaded is not None:
+        section = acc_loaded[1].get("deepspeed_config") or {}
+        acc_accum = section.get("gradient_accumulation_steps") if isinstance(section, Mapping) else None
+        if acc_accum is not None and acc_accum != _AUTO:
+            acc_accum = c.positive_int("gradient_accumulation_steps", acc_accum, acc_loaded[0])
+            if (acc_accum is not None and given.accum is None and not determined
+                    and (given.target is not None or given.micro is not None)):
+                given = _Batch(given.target, given.micro, acc_accum)  # as a DeepSpeed file's fills the gap
+                c.note(f"took gradient_accumulation_steps={acc_accum} from {acc_loaded[0]}")
+        else:
+            acc_accum = None
 
     # Count problems before the flags view so the DeepSpeed view does not repeat its arithmetic.
     before = len(c.problems)
@@ -215,13 +229,9 @@ def check_setup(
         elif flags_problem is None:  # the arguments' own problem already says what is wrong
             _deepspeed_auto_view(c, ds_label, values, world, topo, min_micro)
             _deepspeed_open_view(c, ds_label, values, given)
-    if acc_loaded is not None:
-        section = acc_loaded[1].get("deepspeed_config") or {}
-        accum = section.get("gradient_accumulation_steps")
-        if accum is not None and accum != _AUTO:
-            accum = c.positive_int("gradient_accumulation_steps", accum, acc_loaded[0])
-            _compare(c, "accelerate-mismatch", acc_loaded[0], {"accum": accum}, resolved,
-                     {"accum": "deepspeed_config.gradient_accumulation_steps"})
+    if acc_accum is not None:
+        _compare(c, "accelerate-mismatch", acc_loaded[0], {"accum": acc_accum}, resolved,  # type: ignore[index]
+                 {"accum": "deepspeed_config.gradient_accumulation_steps"})
 
     per_gpu = per_gpu_statistics(layers, world)
     if per_gpu and 1 in micros:
@@ -251,7 +261,16 @@ def check_setup(
 
 
 # How much model state each strategy keeps per GPU, from most to least (FSDP shards like ZeRO-3).
-_KEEPS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp1": 3, "fsdp2": 3}
+_KEEPS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp1": 3, "fsdp2": 3}  # how much is sharded
+_OFFLOADS = {None: 0, "optimizer": 1, "params": 2}  # how much leaves the GPU
+# What FSDP keeps on each GPU where it does not shard fully (autobatch probes FULL_SHARD), and the strategy
+# whose memory is alike.
+_SHARDING = {
+    "SHARD_GRAD_OP": ("the parameters gathered from forward to backward", "zero2"),
+    "HYBRID_SHARD_ZERO2": ("the parameters gathered from forward to backward, the rest sharded within a node only", None),
+    "HYBRID_SHARD": ("every state sharded within a node only, not over every GPU", None),
+    "NO_SHARD": ("every parameter, gradient and optimizer state whole, as DDP", "ddp"),
+}
 
 
 def _check_strategy(c: _Collector, probed: str | Strategy, acc_loaded: Any, ds_loaded: Any) -> None:
@@ -264,9 +283,14 @@ def _check_strategy(c: _Collector, probed: str | Strategy, acc_loaded: Any, ds_l
     found: list[tuple[str, Strategy]] = []
     if ds_loaded is not None and (read := strategy_from_deepspeed(ds_loaded[1])) is not None:
         found.append((ds_loaded[0], read))
-    if acc_loaded is not None and str(acc_loaded[1].get("distributed_type", "")).upper() != "DEEPSPEED" \
-            and (read := strategy_from_accelerate(acc_loaded[1])) is not None:
-        found.append((acc_loaded[0], read))
+    # accelerate's DeepSpeed plugin says its stage itself (zero_stage); with a DeepSpeed file it is read above
+    said = False  # an FSDP config that does not shard fully is said apart
+    if acc_loaded is not None and (read := strategy_from_accelerate(acc_loaded[1])) is not None:
+        said = _fsdp_shards_otherwise(c, probed, read, *acc_loaded)
+        if not said:
+            found.append((acc_loaded[0], read))
+    if said and not found:
+        return
     if not found:
         c.note(f"the configs do not say how training shards; the micro batch was probed under {probed.label}")
         return
@@ -274,14 +298,43 @@ def _check_strategy(c: _Collector, probed: str | Strategy, acc_loaded: Any, ds_l
         if (configured.name, configured.offload) == (probed.name, probed.offload):
             c.note(f"{label} trains with {configured.label}, as the micro batch was probed")
             continue
-        more = _KEEPS[configured.name] < _KEEPS[probed.name]
+        sharded = (_KEEPS[configured.name], _OFFLOADS[configured.offload])
+        probed_as = (_KEEPS[probed.name], _OFFLOADS[probed.offload])
+        keeps = ("keeps more state on each GPU: the micro batch may run out of memory" if sharded < probed_as else
+                 "keeps less state on each GPU: a larger micro batch may fit" if sharded > probed_as else
+                 "shards as much but holds it otherwise (its buffers, its gathers): its peak is not the probe's")
         c.add(
             "strategy-mismatch",
             f"the micro batch was probed under {probed.label}, but {label} trains with {configured.label}, which "
-            + ("keeps more state on each GPU: the micro batch may run out of memory"
-               if more else "keeps less state on each GPU: a larger micro batch may fit"),
+            + keeps,
             f"probe again with find --strategy {configured.name}"
             + (f" --offload {configured.offload}" if configured.offload else "")
             + f", or train with {probed.label}",
             probed=probed.label, configured=configured.label,
         )
+
+
+def _fsdp_shards_otherwise(c: _Collector, probed: Strategy, read: Strategy, label: str, config: Any) -> bool:
+    """Whether an accelerate FSDP config shards otherwise than fully, as every FSDP probe does; it is
+    then said here: a problem, or a note where the probed strategy holds alike."""
+    said = fsdp_sharding(config)
+    if said is None or said[0] == "FULL_SHARD":
+        return False
+    sharding, key = said
+    keeps, alike = _SHARDING[sharding]
+    raw = (config.get("fsdp_config") or {})[key]
+    value = f"{key}: {str(raw).lower() if isinstance(raw, bool) else raw}" + (f" ({sharding})" if str(raw) != sharding else "")
+    if alike is not None and (probed.name, probed.offload) == (alike, None):
+        c.note(f"{label} trains FSDP with {value}, which holds on each GPU about what {alike} holds, as the micro "
+               "batch was probed")
+        return True
+    full = "true" if read.name == "fsdp2" else "FULL_SHARD"
+    c.add(
+        "strategy-mismatch",
+        f"the micro batch was probed under {probed.label}, but {label} trains FSDP with {value}, which "
+        f"keeps {keeps}; every FSDP probe shards fully, so the micro batch may not fit",
+        f"set fsdp_config.{key} to {full}" + ("" if probed.name == read.name else f" and probe with find --strategy {read.name}")
+        + (f", or probe the strategy that holds alike: find --strategy {alike}" if alike else ""),
+        probed=probed.label, sharding=sharding,
+    )
+    return True

@@ -20,7 +20,7 @@ from ..configs.deepspeed import (
 
 if TYPE_CHECKING:
     pass
-from .problems import _AUTO, _Collector, _fix_for
+from .problems import _AUTO, _Collector, _fix_for, _fix_pinned
 
 __all__ = []
 
@@ -153,6 +153,25 @@ def _zero_stage_view(c: _Collector, label: str, ds: dict[str, Any]) -> None:
               stage=stage)
 
 
+def _enabled(section: Any) -> bool:
+    """A precision section's ``enabled`` as DeepSpeed's config model reads it (a pydantic bool); "auto" is the launcher's."""
+    value = section.get("enabled", False) if isinstance(section, dict) else False
+    return value is True or (isinstance(value, (int, str)) and not isinstance(value, bool)
+                             and str(value).strip().lower() in ("1", "true", "yes", "on"))
+
+
+def _precision_view(c: _Collector, label: str, ds: dict[str, Any]) -> None:
+    """fp16 and bf16 both enabled: DeepSpeed asserts at start-up ('bfloat16 and fp16 modes cannot be
+    simultaneously enabled'); it reads ``bf16``, else the older ``bfloat16``."""
+    bf16_key = "bf16" if "bf16" in ds else "bfloat16"
+    if _enabled(ds.get("fp16")) and _enabled(ds.get(bf16_key)):
+        c.add("deepspeed-precision",
+              f"DeepSpeed trains in one of fp16 and bf16, but {label} enables both (fp16.enabled and "
+              f"{bf16_key}.enabled); DeepSpeed stops at start-up: 'bfloat16 and fp16 modes cannot be simultaneously "
+              "enabled'",
+              "keep the one the micro batch was probed with (find --dtype bf16 writes bf16 on and fp16 off)")
+
+
 def _deepspeed_open_view(c: _Collector, label: str, values: dict[str, int | str | None], flags: _Batch) -> None:
     """A file whose batch keys are all left to the launcher, with no numbers given: nothing is checked."""
     if any(isinstance(v, int) for v in values.values()) or any(n is not None for n in flags.numbers()):
@@ -191,7 +210,8 @@ def _deepspeed_auto_view(
         "deepspeed-auto",
         f"{label} leaves {' and '.join(open_keys)} \"auto\" for the launcher to fill, but no whole numbers can: "
         f"{TRAIN_BATCH_SIZE}={target} must be {rule}",
-        _fix_for(target, *topo, min_micro),
+        _fix_pinned(target, micro if isinstance(micro, int) else None, accum if isinstance(accum, int) else None,
+                    topo, min_micro),
         train_batch_size=target, world_size=world, micro_batch=micro, grad_accum=accum,
     )
 
@@ -226,7 +246,9 @@ def _deepspeed_view(
             "deepspeed-assertion",
             f"DeepSpeed asserts {TRAIN_BATCH_SIZE} == {MICRO_BATCH} × {GRAD_ACCUM} × world_size, but {label} "
             f"gives {target} != {micro} × {accum} × {world} = {micro * accum * world}{derivation}",
-            _implied_world(target, micro * accum, world, topo) + _fix_for(target, *topo, min_micro),
+            _implied_world(target, micro * accum, world, topo) + _fix_pinned(
+                target, *(values[key] if isinstance(values[key], int) else None for key in (MICRO_BATCH, GRAD_ACCUM)),
+                topo, min_micro),
             train_batch_size=target, micro_batch=micro, grad_accum=accum, world_size=world,
         )
     return batch

@@ -21,6 +21,7 @@ __all__ = [
     "MissingDependencyError",
     "NoBatchFitsError",
     "NoExactPlanError",
+    "RankFailedError",
     "RequestError",
     # one request, one pipeline, one report: every command of the CLI
     "Request",
@@ -133,6 +134,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "MissingDependencyError": ("errors", "MissingDependencyError"),
     "NoBatchFitsError": ("errors", "NoBatchFitsError"),
     "NoExactPlanError": ("planning.solver", "NoExactPlanError"),
+    "RankFailedError": ("distributed.result", "RankFailedError"),
     "RequestError": ("errors", "RequestError"),
     "Request": ("answering", "Request"),
     "Report": ("answering", "Report"),

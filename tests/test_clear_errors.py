@@ -187,3 +187,49 @@ def test_overheads_refuse_a_fragmentation_that_is_not_finite(value):
 
     with pytest.raises(AutobatchError, match="fragmentation .* must be ≥ 1 and finite"):
         Overheads(fragmentation=value)
+
+
+# --- under a launcher: the error once per job -------------------------------------------------
+
+
+def _as_rank(monkeypatch, rank: int) -> None:
+    import autobatch.cli._app as cli_app
+
+    monkeypatch.setattr(cli_app, "_GRACE_S", 0.0)  # the wait that lets rank 0 speak first
+    for name, value in {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}.items():
+        monkeypatch.setenv(name, value)  # torchrun --nproc-per-node 2
+
+
+@pytest.mark.parametrize("args", [
+    ["find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--target", "63"],  # no exact plan
+    ["find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--target", "0"],  # a broken rule
+    ["find", "--model", "tiny-gpt2", "--targte", "64"],  # a flag typed wrong
+])
+def test_under_a_launcher_rank_0_says_an_error_every_rank_meets_and_the_others_do_not(monkeypatch, args):
+    # Each rank said it: the job's log held it twice, and --json two objects on the one stdout
+    _as_rank(monkeypatch, 1)
+    quiet = invoke(*args, "--json")
+    assert quiet.exit_code == 2 and quiet.stdout == "" and "Error" not in quiet.stderr, quiet.output
+    _as_rank(monkeypatch, 0)
+    said = invoke(*args, "--json")
+    assert said.exit_code == 2 and json.loads(said.stdout)["exit_code"] == 2
+    assert said.stderr.startswith("Error: ")
+
+
+def test_under_a_launcher_another_rank_says_its_own_error_on_stderr_with_its_rank(monkeypatch, capsys):
+    from autobatch import NoBatchFitsError, RankFailedError
+    from autobatch.cli._app import _alike, _say_error
+
+    _as_rank(monkeypatch, 1)
+    _say_error("only rank 1 cannot read its weights", 2, as_json=True, alike=False)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "rank 1: Error: only rank 1 cannot read its weights\n"
+    assert _alike(NoBatchFitsError("rank 1: even a batch of 1 …")) and _alike(RankFailedError("rank 0 failed", rank=0))
+    assert not _alike(ValueError("its own")) and not _alike(autobatch_error("its own"))
+
+
+def autobatch_error(message: str):
+    from autobatch import AutobatchError
+
+    return AutobatchError(message)

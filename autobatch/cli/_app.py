@@ -3,7 +3,9 @@
 Library errors (:class:`~autobatch.errors.AutobatchError`) and usage errors (a flag typed wrong)
 become one line on stderr and exit code 2; with ``--json``, stdout still carries one JSON object
 (``{"error": …, "exit_code": 2}``) so a script can always parse it. The traceback is shown only
-with ``autobatch --debug …``. Warnings (a damaged cache entry) are one line without a source path.
+with ``autobatch --debug …``. Under a launcher rank 0 says the error: the other ranks say one every
+rank meets alike (a flag typed wrong, a request that breaks a rule) not at all, and one of their
+own on stderr with their rank, never as stdout's JSON. Warnings (a damaged cache entry) are one line without a source path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +28,7 @@ try:  # typer >= 0.20 carries its own copy of click, whose exceptions it raises
 except ImportError:  # pragma: no cover - older typer uses click itself
     import click
 
-from ..errors import AutobatchError, user_code_error
+from ..errors import AutobatchError, RequestError, user_code_error
 from .options import FLAGS
 
 __all__ = ["app", "cache_app", "command", "in_flags", "COMMAND_ORDER", "RENAMED", "outputs"]
@@ -90,6 +93,43 @@ def _wants_json(args: Sequence[str]) -> bool:
 
 def _json_error(message: str, code: int) -> None:
     typer.echo(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False))
+
+
+# A rank that leaves an error to rank 0 waits this long before it exits, so that rank 0 has said it
+# before the launcher, seeing this rank fail, stops the others.
+_GRACE_S = 1.0
+
+
+def _other_rank() -> int | None:
+    """This process's rank under a launcher where it is not rank 0, else ``None``."""
+    from .. import is_launched, rank_env
+
+    try:
+        return (rank_env().rank or None) if is_launched() else None
+    except Exception:  # malformed launcher variables: the error being said is the one to show
+        return None
+
+
+def _alike(exc: BaseException) -> bool:
+    """An error every rank raises alike: a request that breaks a rule, a target no plan reaches,
+    nothing fitting (agreed word for word), or another rank's failure, which rank 0 names too."""
+    from .. import NoBatchFitsError, NoExactPlanError, RankFailedError
+
+    return isinstance(exc, (RequestError, NoExactPlanError, NoBatchFitsError, RankFailedError))
+
+
+def _say_error(message: str, code: int, *, as_json: bool, alike: bool) -> None:
+    """``Error: message`` on stderr (and the JSON object on stdout with ``--json``), once per job:
+    see the module's docstring."""
+    rank = _other_rank()
+    if rank is not None:
+        if not alike:  # its own: the others cannot say it
+            typer.echo(f"rank {rank}: Error: {message}", err=True)
+        time.sleep(_GRACE_S)
+        return
+    if as_json:
+        _json_error(message, code)
+    typer.echo(f"Error: {message}", err=True)
 
 
 def _tidy(params: list[Any]) -> list[Any]:
@@ -163,9 +203,7 @@ class AutobatchGroup(TyperGroup):
                 message = _bad_value(exc, argv) or message
             if isinstance(exc, click.exceptions.UsageError):
                 message += f" (see: {command} --help)"
-            if _wants_json(argv):
-                _json_error(message, exc.exit_code)
-            typer.echo(f"Error: {message}", err=True)
+            _say_error(message, exc.exit_code, as_json=_wants_json(argv), alike=True)
             sys.exit(exc.exit_code)
         except typer.Abort:
             typer.echo("Aborted", err=True)
@@ -229,9 +267,7 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
                         raise
                     message = (user + "; --debug shows the traceback" if user is not None
                                else in_flags(exc.spelt(FLAGS)))
-                    if kw.get("as_json"):
-                        _json_error(message, 2)
-                    typer.echo(f"Error: {message}", err=True)
+                    _say_error(message, 2, as_json=bool(kw.get("as_json")), alike=_alike(exc))
                     raise typer.Exit(2) from None
                 except KeyboardInterrupt:
                     if _state["debug"]:

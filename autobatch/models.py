@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .errors import AutobatchError
+from .errors import AutobatchError, option
 from .hf_models import ATTENTION, hf_model, image_batches, import_transformers, max_positions, token_batches
-from .probing.samples import takes_seq_len
+from .probing.samples import default_seq_len, takes_seq_len
 from .probing.workload import Workload, default_loss, weights_in
 
 __all__ = ["ModelSource", "BUILTIN_MODELS", "MAX_SAMPLE_ELEMENTS", "load_model", "load_layers", "list_models", "count_parameters"]
@@ -66,11 +66,11 @@ class ModelSource:
         if self.make_batch_at is None:
             raise AutobatchError(
                 f"{self.name} takes no sequence length ({self.task} model), so it cannot be probed at "
-                f"several --seq-len values; use a language model, or a workload whose make_batch(b, seq_len) takes one"
+                f"several {option('seq_len')} values; use a language model, or a workload whose make_batch(b, seq_len) takes one"
             )
         if self.max_positions is not None and max(seq_lens) > self.max_positions:
             raise AutobatchError(
-                f"--seq-len must be at most the model's {self.max_positions} positions, but got {max(seq_lens)}; "
+                f"{option('seq_len')} must be at most the model's {self.max_positions} positions, but got {max(seq_lens)}; "
                 "drop the longer lengths"
             )
         return replace(self.to_workload(**settings), make_batch=self.make_batch_at)
@@ -154,7 +154,7 @@ def _classifier(name: str, model: torch.nn.Module, input_shape: tuple[int, ...],
 def _bind_length(spec: str, make_batch_at: Callable[[int, int], Any], seq_len: int | None) -> Callable[[int], Any]:
     def make_batch(b: int) -> Any:
         if seq_len is None:
-            raise AutobatchError(f"{spec}'s make_batch takes a sequence length (b, seq_len); pass --seq-len")
+            raise AutobatchError(f"{spec}'s make_batch takes a sequence length (b, seq_len); pass {option('seq_len')}")
         return make_batch_at(b, seq_len)
 
     return make_batch
@@ -195,7 +195,7 @@ def _parse_shape(input_shape: str | tuple[int, ...] | None) -> tuple[int, ...] |
 def _import_function(spec: str) -> Callable[[], Any]:
     target, _, attr = spec.rpartition(":")
     if not target.strip() or not attr.strip():
-        raise AutobatchError(f"--model {spec!r} must be file.py:function or package.module:function, with both "
+        raise AutobatchError(f"{option('model')} {spec!r} must be file.py:function or package.module:function, with both "
                              "parts; e.g. train.py:build_model")
     try:
         if target.endswith(".py") or "/" in target:
@@ -213,14 +213,14 @@ def _import_function(spec: str) -> Callable[[], Any]:
         module_path = target.replace("/", ".").removesuffix(".py")
         if exc.name and not (module_path.endswith(exc.name) or module_path.startswith(exc.name + ".")):
             raise  # the file imports a module that is not installed: the user's code, said with its line
-        raise AutobatchError(f"cannot import {target!r} for --model {spec!r}: {exc}; check the module path") from None
+        raise AutobatchError(f"cannot import {target!r} for {option('model')} {spec!r}: {exc}; check the module path") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise AutobatchError(f"{target!r} has no function {attr!r}; --model takes module:function or file.py:function")
+        raise AutobatchError(f"{target!r} has no function {attr!r}; {option('model')} takes module:function or file.py:function")
     required = [p.name for p in inspect.signature(fn).parameters.values()
                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if required:
-        raise AutobatchError(f"--model {spec!r} is called with no arguments, but {attr}() needs "
+        raise AutobatchError(f"{option('model')} {spec!r} is called with no arguments, but {attr}() needs "
                              f"{', '.join(required)}; give them defaults, or wrap it in a function that takes none")
     return fn
 
@@ -328,6 +328,7 @@ def _built(spec: str, seq_len: int | None, input_shape: str | tuple[int, ...] | 
         if workload is not None:
             if takes_seq_len(workload.make_batch):  # make_batch(b, seq_len): bound to --seq-len for one length
                 at = workload.make_batch
+                seq_len = seq_len if seq_len is not None else default_seq_len(at)  # make_batch(b, seq_len=512)
                 bound = replace(workload, make_batch=_bind_length(spec, at, seq_len))
                 return ModelSource(spec, model, bound.make_batch, workload.loss_fn, task="custom", seq_len=seq_len,
                                    workload=bound, make_batch_at=at)

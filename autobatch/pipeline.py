@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .errors import AutobatchError
+from .errors import AutobatchError, option
 from .estimating.background import TracedBeside, beside, between
 from .estimating.prior import GuardedPrior, try_trace_prior
 from .planning.plan import Plan
@@ -97,7 +97,7 @@ def plan_from_probe(
     if result.safe_batch < result.min_batch:
         raise AutobatchError(
             f"no batch keeps the headroom ({result.headroom_bytes} bytes): even the smallest batch "
-            f"({result.min_batch}) peaks above capacity minus headroom; lower --headroom "
+            f"({result.min_batch}) peaks above capacity minus headroom; lower {option('headroom')} "
             f"(max batch without it: {result.max_batch})"
         )
     if target is None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import AutobatchError
+from .errors import AutobatchError, option
 
 __all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies", "as_strategy",
            "strategy_from_deepspeed", "strategy_from_accelerate", "fsdp_sharding", "FSDP_SHARDINGS"]
@@ -84,7 +84,7 @@ class Strategy:
                     "use zero3, or offload='optimizer'")
         if self.unit is not None and not self.is_fsdp:
             raise AutobatchError(
-                f"the FSDP unit names the block FSDP wraps, but the strategy is {self.name}; drop --fsdp-unit")
+                f"the FSDP unit names the block FSDP wraps, but the strategy is {self.name}; drop {option('fsdp_unit')}")
 
     @property
     def zero_stage(self) -> int | None:

@@ -233,3 +233,35 @@ def autobatch_error(message: str):
     from autobatch import AutobatchError
 
     return AutobatchError(message)
+
+
+# --- Python names from Python, flags on the command line ---------------------------------------
+
+
+def _python_error(call) -> str:
+    from autobatch import AutobatchError
+
+    with pytest.raises(AutobatchError) as info:
+        call()
+    return str(info.value)
+
+
+def test_an_error_raised_from_python_names_python_options_and_the_cli_its_flags():
+    import autobatch
+    from autobatch.configs.deepspeed import zero_section
+
+    model = torch.nn.Linear(64, 4)
+    make_batch = lambda b: (torch.randn(b, 64), torch.randint(0, 4, (b,)))  # noqa: E731
+    said = {
+        "headroom": _python_error(lambda: autobatch.find(model, make_batch, target=8, device="cpu", memory="64KiB",
+                                                         headroom="63KiB")),
+        "fsdp_unit": _python_error(lambda: autobatch.Strategy("zero2", unit="Block")),
+        "deepspeed": _python_error(lambda: zero_section("fsdp2")),
+        "model": _python_error(lambda: autobatch.answer(autobatch.Request(model="no_such_module:fn", target=8,
+                                                                          device="cpu", memory="1MiB"))),
+    }
+    for name, message in said.items():
+        assert f"--{name.replace('_', '-')}" not in message and name in message, (name, message)
+    cli = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--headroom", "3MiB",
+                 "--target", "8", "--no-cache")
+    assert cli.exit_code == 2 and "no batch keeps the headroom" in cli.stderr and "lower --headroom" in cli.stderr

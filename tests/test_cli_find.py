@@ -76,6 +76,26 @@ def test_own_model_from_a_file(tmp_path):
     assert json.loads(res.stdout)["max_batch"] > 1
 
 
+def test_own_make_batch_with_a_default_length_trains_at_it_unless_seq_len_says_otherwise(tmp_path):
+    # make_batch(b, L=12) was refused: "takes a sequence length (b, seq_len); pass --seq-len"
+    file = tmp_path / "lm.py"
+    file.write_text(textwrap.dedent("""
+        import torch, autobatch
+        def work():
+            model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50))
+            def make_batch(b, L=12):
+                return torch.randint(0, 50, (b, L))
+            return autobatch.Workload(model, make_batch, loss_fn=lambda m, x: m(x).float().mean())
+    """))
+    found = {}
+    for args in ([], ["--seq-len", "12"], ["--seq-len", "24"]):
+        res = invoke("find", "--model", f"{file}:work", "--device", "cpu", "--memory", "2MiB", "--no-cache", *args,
+                     "--json")
+        assert res.exit_code == 0, res.output
+        found[tuple(args)] = json.loads(res.stdout)["max_batch"]
+    assert found[()] == found[("--seq-len", "12")] > found[("--seq-len", "24")]
+
+
 def test_hf_config_directory_works_offline(tmp_path):
     transformers = need("transformers")
     transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=64).save_pretrained(tmp_path)

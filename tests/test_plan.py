@@ -125,6 +125,7 @@ def test_writer_methods_delegate_to_the_config_modules():
         "autobatch.strategy",
         "autobatch.modelinfo",
         "autobatch.estimating.gpus",
+        "autobatch.probing.samples",
     ],
 )
 def test_docstring_examples_run(module):

@@ -88,6 +88,14 @@ def test_simulated_ranks_pass_with_the_helper_and_fail_naively(gpt2, lm_batch) -
     assert verify_ga(gpt2, lm_batch, mode="naive", **kw).status == "FAIL"
 
 
+def test_a_token_mean_checked_per_sample_names_a_fix_that_runs_where_the_user_is(gpt2, lm_batch) -> None:
+    # It said "pass token_loss_fn(...)", which `verify-ga --normalised` on your own model cannot take
+    result = verify_ga(gpt2, lm_batch, micro_batch=2, grad_accum=4, loss_fn=hf_loss, mode="normalised")
+    assert result.status == "FAIL" and "mean over samples" in result.likely_cause
+    assert "autobatch.verify_ga(model, batch, token_loss_fn=...)" in result.likely_cause
+    assert "the command line's --normalised weighs your own loss per sample" in result.likely_cause
+
+
 def test_equal_sized_samples_pass_naively() -> None:
     """A mean over samples with equal micro-batches is the big batch: no false alarm."""
     torch.manual_seed(0)

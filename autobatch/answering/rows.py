@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import AutobatchError, NoBatchFitsError
+from ..errors import AutobatchError, NoBatchFitsError, option
 from ..lengths import LengthTable, probe_lengths
 from ..pipeline import Finding, data_parallel_ranks, find_plan
 from ..probing.backends import MemoryBackend
@@ -101,7 +101,7 @@ def estimate_strategy_rows(request: Request, spec: Any, *, on_trial: Callable[[A
     if usable <= 0:
         raise AutobatchError(
             f"{spec.name} keeps {format_bytes(beside)} beside its CUDA context, which must "
-            f"exceed the libraries' workspaces ({request.workspace}); pass a larger --gpu-memory or a smaller --workspace")
+            f"exceed the libraries' workspaces ({request.workspace}); pass a larger {option('gpu_memory')} or a smaller {option('workspace')}")
     load = request.load_options(request.one_length)
     if isinstance(request.model, str):
         workload = load_fake_model(request.model, **load).to_workload(**request.settings())
@@ -177,7 +177,8 @@ def length_table(request: Request, backend: MemoryBackend | None, estimate_for: 
             workload = replace(base, make_batch=lambda b, _seq_len: base.make_batch(b))
         else:
             if lengths is None and source.seq_len is None:
-                raise AutobatchError(f"{request.model}'s make_batch takes a sequence length (b, seq_len); pass --seq-len")
+                raise AutobatchError(f"{request.model}'s make_batch takes a sequence length (b, seq_len); pass "
+                                     f"{option('seq_len')}")
             lengths = lengths or [source.seq_len]
             workload = source.to_length_workload(lengths, **request.settings())
     else:

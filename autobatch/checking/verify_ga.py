@@ -322,8 +322,10 @@ def _likely_cause(status: str, mode: str, batchnorm: bool, m: _Measured, grad_ac
         )
     if mode == "normalised" and not token_form:
         return (
-            "the loss was taken as a mean over samples; if it averages over tokens (an LM loss), pass "
-            "token_loss_fn(model, batch) -> (per_token_losses, mask) so the helper can weigh tokens, not samples."
+            "the loss was taken as a mean over samples; if it averages over tokens (an LM loss), weigh tokens: "
+            "from Python, autobatch.verify_ga(model, batch, token_loss_fn=...) with token_loss_fn(model, batch) -> "
+            "(per_token_losses, mask), since the command line's --normalised weighs your own loss per sample (the "
+            "built-in and hf: language models it weighs per token)."
         )
     return (
         "the micro-batches hold equal numbers of items, so a mean of means is not the cause: the forward pass "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AutobatchError
+from ..errors import AutobatchError, option
 from ..strategy import Strategy, as_strategy
 from .files import read_config, write_config
 from .trained import trained_with
@@ -67,7 +67,7 @@ def zero_section(strategy: Strategy | str, existing: dict[str, Any] | None = Non
     if strategy.zero_stage is None and strategy.name != "ddp":
         raise AutobatchError(
             f"a DeepSpeed config trains with ZeRO (zero1, zero2, zero3) or plain data parallelism (ddp), but the "
-            f"plan is for {strategy.name}; drop --deepspeed, or plan for a ZeRO strategy")
+            f"plan is for {strategy.name}; drop {option('deepspeed')}, or plan for a ZeRO strategy")
     section = dict(existing or {})
     section["stage"] = strategy.zero_stage or 0
     for key, value in (probed or {}).items():

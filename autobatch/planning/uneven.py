@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import AutobatchError
+from ..errors import AutobatchError, option
 from .divisors import divisors
 from .per_rank import RankLimit, RankPlan, UnevenPlan
 from .plan import Plan, require_positive_int
@@ -231,7 +231,7 @@ def solve_uneven(
     if target is None:  # each rank its safe batch, once: the most samples per step without accumulation
         if any(r.hi < r.lo for r in ranks):
             raise AutobatchError(f"a rank's safe batch is below the smallest micro batch allowed (≥ {min_micro}"
-                                 f"{f', a multiple of {multiple}' if multiple > 1 else ''}); lower --min-micro")
+                                 f"{f', a multiple of {multiple}' if multiple > 1 else ''}); lower {option('min_micro')}")
         low = min(r.hi for r in ranks) if uniform_safe is None else uniform_safe
         return UnevenPlan(
             tuple(RankPlan(lim.rank, r.hi, 1, lim.max_batch, lim.safe_batch,

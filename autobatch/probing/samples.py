@@ -17,7 +17,7 @@ import torch
 
 from ..errors import AutobatchError
 
-__all__ = ["LongestSample", "longest_sample", "repeat_sample", "takes_seq_len", "check_sample_count"]
+__all__ = ["LongestSample", "longest_sample", "repeat_sample", "takes_seq_len", "default_seq_len", "check_sample_count"]
 
 _MASK_KEYS = ("attention_mask",)
 
@@ -146,6 +146,24 @@ def takes_seq_len(make_batch: Callable[..., Any]) -> bool:
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def default_seq_len(make_batch: Callable[..., Any]) -> int | None:
+    """The default of ``make_batch``'s second argument, the sequence length, where it has a whole one.
+
+    Example:
+        >>> default_seq_len(lambda b, seq_len=128: None), default_seq_len(lambda b, seq_len: None)
+        (128, None)
+    """
+    try:
+        params = list(inspect.signature(make_batch).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:
+        return None
+    default = positional[1].default
+    return default if isinstance(default, int) and not isinstance(default, bool) and default >= 1 else None
 
 
 def _shapes(batch: Any) -> list[tuple[int, ...]]:

@@ -28,7 +28,7 @@ def check(*, model: str | torch.nn.Module | None = None, seq_len: int | None = N
           strategy: str | None = None, **setup: Any) -> CheckResult:
     """Every batch-size problem of a setup, before launch: :func:`~autobatch.check_setup` (``setup``
     takes its keywords: ``target``, ``micro_batch``, ``grad_accum``, ``gpus_per_node``, ``nodes``,
-    ``model_parallel``, ``deepspeed``, ``accelerate``, ``batchnorm``) with a model named as
+    ``model_parallel``, ``deepspeed``, ``accelerate``, ``hf``, ``batchnorm``) with a model named as
     ``--model`` names it (only its layers are built, on the meta device), and the lengths ``find``
     probed it at (from the cache) to compare ``seq_len`` with.
 

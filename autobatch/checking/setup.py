@@ -25,9 +25,11 @@ from ..configs.deepspeed import (
 )
 from ..errors import AutobatchError
 from ..modelinfo import per_gpu_statistics
-from ..strategy import Strategy, fsdp_sharding, parse_strategy, strategy_from_accelerate, strategy_from_deepspeed
+from ..strategy import Strategy, fsdp_sharding, strategy_from_accelerate, strategy_from_deepspeed
+from .hf import HF_ACCUM, HF_MICRO, hf_batch, hf_deepspeed, hf_refusals, hf_strategy
 from .lengths import check_probed_length
 from .problems import _AUTO, CheckResult, _Collector, _fix_for
+from .strategies import Read, check_strategy
 from .views import (
     _accelerate_deepspeed,
     _accelerate_topology,
@@ -59,6 +61,7 @@ def check_setup(
     model_parallel: int = 1,
     deepspeed: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     accelerate: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    hf: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     model: torch.nn.Module | None = None,
     batchnorm: bool | None = None,
     seq_len: int | None = None,
@@ -79,6 +82,9 @@ def check_setup(
         deepspeed: DeepSpeed JSON path or mapping. Without it, the file named by the accelerate
             config's ``deepspeed_config_file`` is checked.
         accelerate: accelerate config YAML path or mapping.
+        hf: HF ``TrainingArguments`` values (JSON or YAML path, or mapping), as ``find --hf`` writes
+            them: its micro batch and accumulation (the Trainer's defaults where absent), the
+            DeepSpeed config it names, how it shards, and what the Trainer refuses.
         model: The model; a BatchNorm layer requires at least 2 samples per GPU.
         batchnorm: Say the model has BatchNorm without passing it.
         seq_len: The longest sequence the setup trains on; with ``probed`` (the model's cached
@@ -165,9 +171,21 @@ def check_setup(
                 f"set deepspeed_config_file in {acc_loaded[0]} to {os.fspath(deepspeed)}",
             )
         _accelerate_deepspeed(c, *acc_loaded, *(ds_loaded or (None, None)))
+    hf_loaded = c.load(hf, "HF TrainingArguments")
+    if hf_loaded is not None:
+        hf_refusals(c, *hf_loaded)
+        named = hf_deepspeed(hf_loaded[1])
+        if named is not None and ds_loaded is None:
+            c.note(f"checked the DeepSpeed config {named if isinstance(named, str) else '(a dict)'} named in {hf_loaded[0]}")
+            ds_loaded = c.load(named, "DeepSpeed config")
+        elif isinstance(named, str) and isinstance(deepspeed, (str, os.PathLike)) \
+                and os.path.realpath(named) != os.path.realpath(deepspeed):
+            c.add("hf-mismatch", f"{hf_loaded[0]} must name the DeepSpeed file being used, but it names {named} "
+                  f"and the DeepSpeed file given is {os.fspath(deepspeed)}",
+                  f"set deepspeed in {hf_loaded[0]} to {os.fspath(deepspeed)}")
 
     if probed_strategy is not None:
-        _check_strategy(c, probed_strategy, acc_loaded, ds_loaded)
+        _check_strategy(c, probed_strategy, acc_loaded, ds_loaded, hf_loaded)
 
     if world is None:
         return CheckResult(tuple(c.problems), tuple(c.notes), *given.numbers(), None, gpus, node_count, mp)
@@ -186,6 +204,18 @@ def check_setup(
         _precision_view(c, ds_label, ds)
         values = _deepspeed_values(c, ds_label, ds)
     determined = sum(n is not None for n in given.numbers()) >= 2 and (given.target, given.micro) != (None, None)
+    hf_numbers: dict[str, int | None] = {}
+    if hf_loaded is not None:  # the Trainer's arguments, which fill a DeepSpeed file's "auto" at launch
+        hf_numbers = dict(zip(("micro", "accum"), hf_batch(c, *hf_loaded)))
+        if not determined:
+            numbers = list(given.numbers())
+            for n, slot, key in ((1, "micro", HF_MICRO), (2, "accum", HF_ACCUM)):
+                if numbers[n] is None and hf_numbers[slot] is not None:
+                    numbers[n] = hf_numbers[slot]
+                    default = "" if key in hf_loaded[1] else " (the Trainer's default: the file leaves it out)"
+                    c.note(f"took {key}={numbers[n]} from {hf_loaded[0]}{default}")
+            given = _Batch(*numbers)
+            determined = True
     if values is not None and not determined and (given.target is not None or given.micro is not None):
         # When the arguments alone would need an assumption (accumulation 1), the DeepSpeed file
         # fills the gap instead: `--target 512 --deepspeed ds.json` is checked with the file's
@@ -229,6 +259,8 @@ def check_setup(
         elif flags_problem is None:  # the arguments' own problem already says what is wrong
             _deepspeed_auto_view(c, ds_label, values, world, topo, min_micro)
             _deepspeed_open_view(c, ds_label, values, given)
+    if hf_numbers:
+        _compare(c, "hf-mismatch", hf_loaded[0], hf_numbers, resolved, {"micro": HF_MICRO, "accum": HF_ACCUM})  # type: ignore[index]
     if acc_accum is not None:
         _compare(c, "accelerate-mismatch", acc_loaded[0], {"accum": acc_accum}, resolved,  # type: ignore[index]
                  {"accum": "deepspeed_config.gradient_accumulation_steps"})
@@ -260,81 +292,28 @@ def check_setup(
     )
 
 
-# How much model state each strategy keeps per GPU, from most to least (FSDP shards like ZeRO-3).
-_KEEPS = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp1": 3, "fsdp2": 3}  # how much is sharded
-_OFFLOADS = {None: 0, "optimizer": 1, "params": 2}  # how much leaves the GPU
-# What FSDP keeps on each GPU where it does not shard fully (autobatch probes FULL_SHARD), and the strategy
-# whose memory is alike.
-_SHARDING = {
-    "SHARD_GRAD_OP": ("the parameters gathered from forward to backward", "zero2"),
-    "HYBRID_SHARD_ZERO2": ("the parameters gathered from forward to backward, the rest sharded within a node only", None),
-    "HYBRID_SHARD": ("every state sharded within a node only, not over every GPU", None),
-    "NO_SHARD": ("every parameter, gradient and optimizer state whole, as DDP", "ddp"),
-}
-
-
-def _check_strategy(c: _Collector, probed: str | Strategy, acc_loaded: Any, ds_loaded: Any) -> None:
-    """A problem when the configs train with another strategy than the micro batch was probed under."""
-    try:
-        probed = parse_strategy(probed)
-    except AutobatchError as exc:
-        c.add("strategy", str(exc), "name the strategy find --strategy probed")
-        return
-    found: list[tuple[str, Strategy]] = []
+def _check_strategy(c: _Collector, probed: str | Strategy, acc_loaded: Any, ds_loaded: Any, hf_loaded: Any) -> None:
+    """What each config says of how training shards, against the strategy the micro batch was probed under."""
+    reads: list[Read] = []
     if ds_loaded is not None and (read := strategy_from_deepspeed(ds_loaded[1])) is not None:
-        found.append((ds_loaded[0], read))
+        reads.append(Read(ds_loaded[0], read))
     # accelerate's DeepSpeed plugin says its stage itself (zero_stage); with a DeepSpeed file it is read above
-    said = False  # an FSDP config that does not shard fully is said apart
     if acc_loaded is not None and (read := strategy_from_accelerate(acc_loaded[1])) is not None:
-        said = _fsdp_shards_otherwise(c, probed, read, *acc_loaded)
-        if not said:
-            found.append((acc_loaded[0], read))
-    if said and not found:
-        return
-    if not found:
-        c.note(f"the configs do not say how training shards; the micro batch was probed under {probed.label}")
-        return
-    for label, configured in found:
-        if (configured.name, configured.offload) == (probed.name, probed.offload):
-            c.note(f"{label} trains with {configured.label}, as the micro batch was probed")
-            continue
-        sharded = (_KEEPS[configured.name], _OFFLOADS[configured.offload])
-        probed_as = (_KEEPS[probed.name], _OFFLOADS[probed.offload])
-        keeps = ("keeps more state on each GPU: the micro batch may run out of memory" if sharded < probed_as else
-                 "keeps less state on each GPU: a larger micro batch may fit" if sharded > probed_as else
-                 "shards as much but holds it otherwise (its buffers, its gathers): its peak is not the probe's")
-        c.add(
-            "strategy-mismatch",
-            f"the micro batch was probed under {probed.label}, but {label} trains with {configured.label}, which "
-            + keeps,
-            f"probe again with find --strategy {configured.name}"
-            + (f" --offload {configured.offload}" if configured.offload else "")
-            + f", or train with {probed.label}",
-            probed=probed.label, configured=configured.label,
-        )
-
-
-def _fsdp_shards_otherwise(c: _Collector, probed: Strategy, read: Strategy, label: str, config: Any) -> bool:
-    """Whether an accelerate FSDP config shards otherwise than fully, as every FSDP probe does; it is
-    then said here: a problem, or a note where the probed strategy holds alike."""
-    said = fsdp_sharding(config)
-    if said is None or said[0] == "FULL_SHARD":
-        return False
-    sharding, key = said
-    keeps, alike = _SHARDING[sharding]
-    raw = (config.get("fsdp_config") or {})[key]
-    value = f"{key}: {str(raw).lower() if isinstance(raw, bool) else raw}" + (f" ({sharding})" if str(raw) != sharding else "")
-    if alike is not None and (probed.name, probed.offload) == (alike, None):
-        c.note(f"{label} trains FSDP with {value}, which holds on each GPU about what {alike} holds, as the micro "
-               "batch was probed")
-        return True
-    full = "true" if read.name == "fsdp2" else "FULL_SHARD"
-    c.add(
-        "strategy-mismatch",
-        f"the micro batch was probed under {probed.label}, but {label} trains FSDP with {value}, which "
-        f"keeps {keeps}; every FSDP probe shards fully, so the micro batch may not fit",
-        f"set fsdp_config.{key} to {full}" + ("" if probed.name == read.name else f" and probe with find --strategy {read.name}")
-        + (f", or probe the strategy that holds alike: find --strategy {alike}" if alike else ""),
-        probed=probed.label, sharding=sharding,
-    )
-    return True
+        label, config = acc_loaded
+        sharding, key = fsdp_sharding(config) or ("FULL_SHARD", "")
+        raw = (config.get("fsdp_config") or {}).get(key) if key else None
+        said = f"{key}: {str(raw).lower() if isinstance(raw, bool) else raw}" + (
+            f" ({sharding})" if str(raw) != sharding else "")
+        reads.append(Read(label, read, sharding, said, f"fsdp_config.{key}",
+                          "true" if read.name == "fsdp2" else "FULL_SHARD"))
+    if hf_loaded is not None and (found := hf_strategy(hf_loaded[1])) is not None:
+        (read, sharding), (label, args) = found, hf_loaded
+        fsdp = args.get("fsdp")
+        if isinstance(fsdp, str) and sharding.lower() in fsdp.lower().split():  # the older form: an fsdp option
+            said, key, full = f"fsdp: {fsdp!r}", "fsdp", "'full_shard auto_wrap'"
+        else:
+            reshard = (args.get("fsdp_config") or {}).get("reshard_after_forward")
+            said = f"fsdp_config.reshard_after_forward: {str(reshard).lower() if isinstance(reshard, bool) else reshard}"
+            key, full = "fsdp_config.reshard_after_forward", "true" if read.name == "fsdp2" else "full_shard"
+        reads.append(Read(label, read, sharding, f"{said} ({sharding})", key, full))
+    check_strategy(c, probed, reads)

@@ -81,6 +81,7 @@ def solve_command(
 @command("check", examples=[
     "autobatch check --target 224 --gpus 16 --micro-batch 7 --grad-accum 2",
     "autobatch check --deepspeed ds.json --accelerate accelerate.yaml --model tiny-cnn",
+    "autobatch check --hf args.json --gpus 8 --strategy zero2",
 ])
 def check_command(
     target: int | None = typer.Option(None, "--target", min=1, rich_help_panel="Plan", help="Global batch per optimizer step."),
@@ -95,6 +96,8 @@ def check_command(
     model_parallel: ModelParallel = 1,
     deepspeed: str | None = typer.Option(None, "--deepspeed", help="DeepSpeed JSON to check."),
     accelerate: str | None = typer.Option(None, "--accelerate", help="accelerate config YAML to check."),
+    hf: str | None = typer.Option(None, "--hf", help="HF TrainingArguments values (JSON or YAML, as find --hf writes "
+                                  "them) to check, with the DeepSpeed config they name."),
     batchnorm: bool = typer.Option(False, "--batchnorm", help="The model has BatchNorm (needs ≥ 2 samples per GPU)."),
     model: str | None = typer.Option(
         None, "--model", rich_help_panel="Model",
@@ -121,7 +124,7 @@ def check_command(
     from .. import check
 
     result = check(target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
-                   model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, batchnorm=batchnorm,
+                   model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, hf=hf, batchnorm=batchnorm,
                    model=model, seq_len=seq_len, trust_remote_code=trust_remote_code, strategy=strategy)
     typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:

@@ -138,6 +138,28 @@ def test_a_resumed_study_times_its_baseline_again_before_claiming_a_speedup(tmp_
     assert all(m.state == "COMPLETE" for m in fourth.measurements if not m.earlier_run)
 
 
+def test_a_plan_proposed_again_in_a_run_is_never_timed_again_pruned_or_not(tmp_path, monkeypatch):
+    # A pruned plan was timed again when the sampler proposed it again: the docs say a repeat reuses the first
+    import importlib
+
+    module = importlib.import_module("autobatch.tuning.tune")
+    timed: list[str] = []
+
+    def timing(workload, model, backend, plan, *, steps, on_step=None):
+        label = f"{plan.micro_batch}x{plan.grad_accum}"
+        timed.append(label)
+        rate = 100.0 if plan.grad_accum == 1 else 10.0  # the baseline fast, every other plan pruned
+        if on_step is not None:
+            on_step(0, rate)
+        return rate, 0.01
+
+    monkeypatch.setattr(module, "time_plan", timing)
+    result = tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=15, root=tmp_path, max_batch=64)
+    assert len(timed) == len(set(timed)) < 15, timed  # five plans for 16 on one GPU: each timed once
+    states = [m.state for m in result.measurements]
+    assert states.count("COMPLETE") == 1 and states.count("PRUNED") == len(timed) - 1
+
+
 def test_tune_refuses_a_seed_optuna_cannot_take_and_names_a_damaged_study(tmp_path):
     with pytest.raises(AutobatchError, match="seed must be a whole number from 0 to 4294967295"):
         tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=1, root=tmp_path, seed=-1)

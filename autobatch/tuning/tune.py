@@ -267,12 +267,19 @@ def tune(
             trial.set_user_attr("micro_batch", candidate.plan.micro_batch)
             trial.set_user_attr("grad_accum", candidate.plan.grad_accum)
             trial.set_user_attr("grad_checkpointing", candidate.grad_checkpointing)
-            done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-                    if t.params.get("plan") == candidate.label and t.number >= first_now]
-            if done:  # TPE proposes good plans again; a second timing would only add noise
-                trial.set_user_attr("repeat_of", done[0].number)
-                trial.set_user_attr("seconds_per_step", done[0].user_attrs.get("seconds_per_step"))
-                return float(done[0].value)
+            states = optuna.trial.TrialState
+            done = [t for t in study.get_trials(deepcopy=False, states=(states.COMPLETE, states.PRUNED, states.FAIL))
+                    if t.params.get("plan") == candidate.label and t.number >= first_now
+                    and "repeat_of" not in t.user_attrs]
+            if done:  # TPE proposes plans again; a second timing would only add noise: the first one stands
+                first = done[0]
+                trial.set_user_attr("repeat_of", first.number)
+                if first.state == states.PRUNED:
+                    raise optuna.TrialPruned(f"pruned already in this run (trial {first.number})")
+                if first.state == states.FAIL:
+                    raise _PlanOutOfMemory(first.user_attrs.get("error", f"out of memory (trial {first.number})"))
+                trial.set_user_attr("seconds_per_step", first.user_attrs.get("seconds_per_step"))
+                return float(first.value)
             if "model" not in models:
                 models["model"] = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
             variant = dataclasses.replace(workload, grad_checkpointing=candidate.grad_checkpointing)

@@ -112,3 +112,43 @@ def test_solve_wraps_fsdp_one_way_in_every_file_and_line_and_says_how(strategy, 
         "TRANSFORMER_BASED_WRAP", "LlamaDecoderLayer")
     if strategy == "fsdp2":
         assert "fully_shard(each LlamaDecoderLayer" in named.stdout
+
+
+# --- a file's comments: a rewrite keeps none, so the file as it was is kept beside it ----------
+
+
+def test_a_commented_file_merged_into_is_kept_as_it_was_beside_it(tmp_path):
+    from tests.extras import need
+
+    need("hjson")
+    ds, acc = tmp_path / "ds.json", tmp_path / "acc.yaml"
+    ds_text = '{\n  // our cluster\'s bucket, tuned by hand\n  "gradient_clipping": 1.0,\n  "train_batch_size": 64\n}\n'
+    acc_text = "# shared by the team: do not edit num_machines\nnum_machines: 1\nmixed_precision: bf16\n"
+    ds.write_text(ds_text)
+    acc.write_text(acc_text)
+    taken = tmp_path / "acc.yaml.orig"
+    taken.write_text("an older copy of something else\n")
+    result = CliRunner().invoke(app, ["solve", "--target", "256", "--gpus", "8", "--max-micro", "16",
+                                      "--deepspeed", str(ds), "--accelerate", str(acc)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "ds.json.orig").read_text() == ds_text  # the comment survives, byte for byte
+    assert (tmp_path / "acc.yaml.orig.1").read_text() == acc_text and taken.read_text().startswith("an older")
+    assert f"its comments are in {tmp_path / 'ds.json.orig'}, the file as it was" in result.output
+    again = CliRunner().invoke(app, ["solve", "--target", "128", "--gpus", "8", "--max-micro", "16",
+                                     "--deepspeed", str(ds), "--accelerate", str(acc)])
+    assert again.exit_code == 0 and "its comments are in" not in again.output  # the header is ours to rewrite
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acc.yaml", "acc.yaml.orig", "acc.yaml.orig.1", "ds.json",
+                                                          "ds.json.orig"]
+
+
+def test_the_python_writers_keep_a_commented_file_too(tmp_path):
+    from autobatch import Plan
+    from autobatch.configs import write_deepspeed_config
+    from tests.extras import need
+
+    need("hjson")
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 64, /* ours */ "steps_per_print": 10}')
+    write_deepspeed_config(Plan(4, 2, gpus_per_node=8), ds)
+    assert (tmp_path / "ds.json.orig").read_text().startswith('{"train_batch_size": 64, /* ours */')
+    assert json.loads(ds.read_text())["steps_per_print"] == 10

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..strategy import Strategy, as_strategy
 from .accelerate import describe_changes, write_accelerate_config
 from .deepspeed import write_deepspeed_config
-from .files import _JSON, _YAML, ConfigFileError, read_config, write_config
+from .files import _JSON, _YAML, ConfigFileError, keep_original, read_config, write_config
 from .hf import hf_training_args
 from .trained import trained_with
 
@@ -21,14 +21,6 @@ if TYPE_CHECKING:
 __all__ = ["check_plan_outputs", "write_plan_configs"]
 
 PathLike = str | os.PathLike[str]
-
-
-def _has_comments(path: PathLike) -> bool:
-    """Whether a JSON file holds comments (DeepSpeed reads it as HJSON) or a YAML file ``#`` lines: a rewrite loses them."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    if Path(path).suffix.lower() in _YAML:
-        return any(line.lstrip().startswith("#") or " #" in line for line in text.splitlines())
-    return "//" in text or "/*" in text or any(line.lstrip().startswith("#") for line in text.splitlines())
 
 
 def _accelerate_precision(path: PathLike | None) -> str | None:
@@ -137,15 +129,9 @@ def write_plan_configs(
     written = {} if written is None else written
     changes = [] if changes is None else changes
 
-    commented: set[str] = set()
-
-    def _commented(path: PathLike) -> bool:
-        return os.fspath(path) in commented
-
     def merged(path: PathLike, write: Callable[[], object]) -> None:
         before = read_config(path) if os.path.exists(path) else None
-        if before is not None and _has_comments(path):
-            commented.add(os.fspath(path))
+        kept_as = keep_original(path) if before is not None else None  # its comments: a rewrite keeps none
         try:
             write()
         except ConfigFileError as exc:
@@ -157,7 +143,8 @@ def write_plan_configs(
             after = read_config(path)
             what = describe_changes(before, after)
             kept = len([k for k in before if k in after and before[k] == after[k]])
-            comments = " (its comments were not kept: the file is written anew)" if _commented(path) else ""
+            comments = (f" (its comments are in {kept_as}, the file as it was: a rewrite keeps none)"
+                        if kept_as is not None else "")
             changes.append(f"{os.fspath(path)}: " + ("; ".join(what) if what else "nothing changed")
                            + f"; kept {kept} key{'s' if kept != 1 else ''} as {'they were' if kept != 1 else 'it was'}"
                            + comments)

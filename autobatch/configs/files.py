@@ -100,8 +100,44 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+_OUR_HEADER = "# written by autobatch:"  # the comment block accelerate files get from us: ours to rewrite
+
+
+def has_comments(path: str | os.PathLike[str]) -> bool:
+    """Whether a file holds comments of its user's, which a rewrite loses: ``//``, ``/* */`` or ``#`` in
+    JSON (DeepSpeed reads it as HJSON), ``#`` lines in YAML, less the header autobatch wrote itself."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    if lines and lines[0].startswith(_OUR_HEADER):
+        while lines and lines[0].lstrip().startswith("#"):
+            lines.pop(0)
+    if Path(path).suffix.lower() in _YAML:
+        return any(line.lstrip().startswith("#") or " #" in line for line in lines)
+    text = "\n".join(lines)
+    return "//" in text or "/*" in text or any(line.lstrip().startswith("#") for line in lines)
+
+
+def keep_original(path: str | os.PathLike[str]) -> Path | None:
+    """Before a file with its user's comments is rewritten (JSON and YAML writers keep none), copy it
+    to ``NAME.orig`` (``NAME.orig.1``, … where taken); the copy, or ``None`` where nothing is lost.
+    A copy that already holds the same bytes is reused, so the file is copied once however often asked."""
+    path = Path(path)
+    if not path.is_file() or not has_comments(path):
+        return None
+    original = path.read_bytes()
+    for n in range(1000):
+        copy = path.with_name(f"{path.name}.orig" + (f".{n}" if n else ""))
+        if not copy.exists():
+            copy.write_bytes(original)
+            return copy
+        if copy.read_bytes() == original:
+            return copy
+    raise ConfigFileError(path, f"comments must be kept, but {path.name}.orig … .orig.999 are all taken",
+                          "move the old copies away")
+
+
 def write_config(path: str | os.PathLike[str], data: dict[str, Any], *, comment: str | None = None) -> Path:
-    """Write ``data`` as JSON or YAML (by suffix), atomically, and return the path.
+    """Write ``data`` as JSON or YAML (by suffix), atomically, and return the path. An existing file
+    with its user's comments is copied first (:func:`keep_original`).
 
     Args:
         path: Target file; ``.json``, ``.yaml`` or ``.yml``. Parent folders are created.
@@ -122,6 +158,7 @@ def write_config(path: str | os.PathLike[str], data: dict[str, Any], *, comment:
         raise ConfigFileError(path, f"name must end in .json, .yaml or .yml, but got {str(path)!r}", "rename it")
     tmp = None
     try:
+        keep_original(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # keep an existing file's permissions; mkstemp alone would leave 0600
         mode = path.stat().st_mode & 0o777 if path.exists() else 0o644

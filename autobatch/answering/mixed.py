@@ -156,14 +156,19 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
              "under a launcher on the GPU machines for exact figures")
     # Each card once (a card may stand twice in the list); the model is built once for all of them.
     cards_once = list({spec.name: spec for spec, _ in mix}.values())
+    for spec in cards_once:  # as for one card
+        if (request.precision or "").startswith("bf16") and "no bf16" in spec.notes:
+            note(f"{spec.name} has no bf16 ({spec.notes}): the estimate is of bf16 as asked, its ranks balanced "
+                 "by the card's fp32 speed, but on this card train with fp16 or fp32 (--dtype fp16)")
     found: dict[str, Any] = {}
+    wrapped: dict[str, Any] = {}  # each card's strategy as its row was traced (the FSDP block it wrapped)
     if request.strategies is not None:
         for spec in cards_once:
             rows = estimate_strategy_rows(request, spec)
             if not isinstance(rows[0], Finding):
                 raise AutobatchError(f"nothing fits on {spec.name} under {request.strategies[0].label}: "
                                      f"{rows[0]}; drop that card from {option('gpu')}")
-            found[spec.name] = rows[0].probe
+            found[spec.name], wrapped[spec.name] = rows[0].probe, rows[0].strategy
     else:
         workload, overheads = estimate_workload(request), estimate_overheads(request)
         for spec in cards_once:
@@ -187,4 +192,6 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
                    "safe_batch": found[spec.name].safe_batch, "peak_tflops": speed[spec.name][0],
                    "peak_tflops_in": speed[spec.name][1]}
                   for spec, n in mix)
-    return Report(request, plan, rows=(Finding(smallest, plan),), gpu=card, uneven=uneven, cards=cards)
+    # The smallest card's row, with the strategy it was traced under: the configs shard as it did.
+    return Report(request, plan, rows=(Finding(smallest, plan, strategy=wrapped.get(card.name)),), gpu=card,
+                  uneven=uneven, cards=cards)

@@ -152,7 +152,7 @@ def _print_uneven(report: Any) -> None:
     """The cards of a mixed list, and the plan per rank with its arithmetic."""
     for card in report.cards:
         typer.echo(f"{card['count']} × {card['gpu']}: max batch {card['max_batch']}, safe {card['safe_batch']} "
-                   f"(estimated; peak {card['peak_tflops']} {card['peak_tflops_in']} TFLOPS, "
+                   f"(estimated; peak {card['peak_tflops']} TFLOPS in {card['peak_tflops_in']}, "
                    "the speed its ranks are balanced by)")
     if report.uneven is not None:
         typer.echo(report.uneven.describe())

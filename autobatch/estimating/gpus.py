@@ -124,13 +124,17 @@ def peak_tflops(name: str, precision: str | None) -> tuple[float | None, str]:
     """A card's peak dense TFLOPS in the format a job trains in, and that format's name.
 
     ``precision`` is a request's (``None`` for full fp32; ``"bf16"``, ``"fp16"``, ``"bf16-true"``,
-    …): fp32 takes :data:`PEAK_TFLOPS_FP32`, every 16-bit precision :data:`PEAK_TFLOPS`.
+    …): fp32 takes :data:`PEAK_TFLOPS_FP32`, every 16-bit precision :data:`PEAK_TFLOPS`, except bf16
+    on a card without it (V100, T4), which emulates it no faster than fp32.
     ``None`` for a card not in the table.
 
     Example:
-        >>> peak_tflops("a100-80gb", None), peak_tflops("a100-80gb", "bf16")
-        ((19.5, 'fp32'), (312.0, '16-bit'))
+        >>> peak_tflops("a100-80gb", None), peak_tflops("a100-80gb", "bf16"), peak_tflops("v100-32gb", "bf16")
+        ((19.5, 'fp32'), (312.0, '16-bit'), (15.7, 'fp32: no bf16 on this card'))
     """
+    spec = GPUS.get(name)
+    if precision is not None and precision.startswith("bf16") and spec is not None and "no bf16" in spec.notes:
+        return PEAK_TFLOPS_FP32.get(name), "fp32: no bf16 on this card"
     if precision is None:
         return PEAK_TFLOPS_FP32.get(name), "fp32"
     return PEAK_TFLOPS.get(name), "16-bit"

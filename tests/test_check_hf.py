@@ -95,3 +95,39 @@ def test_fsdp_in_the_arguments_that_does_not_shard_fully_is_a_mismatch(args, pro
     result = check_setup(gpus_per_node=2, hf={"per_device_train_batch_size": 4, **args}, probed_strategy=probed)
     [problem] = result.problems
     assert problem.code == "strategy-mismatch" and said in problem.message, problem.message
+
+
+@pytest.mark.parametrize("args, code, said", [
+    ({"bogus_key": 1, "per_gpu_train_batch_size": 4}, "hf-refuses", "has 'bogus_key', 'per_gpu_train_batch_size'"),
+    ({"fsdp": "nonsense"}, "hf-refuses", "Unknown `fsdp` option: nonsense"),
+    # the Trainer stops where a DeepSpeed value it fills from its arguments is set otherwise
+    ({"bf16": True, "deepspeed": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}}, "hf-mismatch",
+     "sets it true and the HF TrainingArguments has fp16=false"),
+    ({"deepspeed": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}}, "hf-mismatch",
+     "bf16.enabled from its arguments"),
+])
+def test_the_trainer_refuses_what_check_now_refuses(args, code, said):
+    result = check_setup(gpus_per_node=2, hf={"per_device_train_batch_size": 4, **args})
+    assert code in codes(result) and any(said in p.message for p in result.problems), result.problems
+
+
+def test_a_deepspeed_value_left_to_the_trainer_or_set_alike_passes():
+    for ds in ({"bf16": {"enabled": "auto"}}, {"bf16": {"enabled": True}}):
+        result = check_setup(gpus_per_node=2, hf={"per_device_train_batch_size": 4, "bf16": True, "deepspeed": {
+            **ds, "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}})
+        assert result.ok, result.problems
+
+
+def test_the_arguments_and_the_other_configs_shard_one_way(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    fsdp = {"per_device_train_batch_size": 4, "fsdp": True, "fsdp_config": {"version": 2}}
+    unused = check_setup(gpus_per_node=2, deepspeed=str(ds), hf=fsdp)
+    assert "hf-mismatch" in codes(unused) and any("goes unused" in p.message for p in unused.problems)
+    plain = check_setup(gpus_per_node=2, deepspeed=str(ds), hf={"per_device_train_batch_size": 4})
+    assert any("names none (it trains with neither FSDP nor DeepSpeed)" in p.message for p in plain.problems)
+    acc = {"distributed_type": "DEEPSPEED", "num_processes": 2, "deepspeed_config": {"zero_stage": 1}}
+    crossed = check_setup(hf=fsdp, accelerate=acc)
+    assert any("trains with FSDP and the accelerate config with DeepSpeed" in p.message for p in crossed.problems)
+    # arguments that name neither train with accelerate's plugin, as the Trainer does under accelerate launch
+    assert check_setup(hf={"per_device_train_batch_size": 4}, accelerate=acc).ok

@@ -26,7 +26,16 @@ from ..configs.deepspeed import (
 from ..errors import AutobatchError
 from ..modelinfo import per_gpu_statistics
 from ..strategy import Strategy, fsdp_sharding, strategy_from_accelerate, strategy_from_deepspeed
-from .hf import HF_ACCUM, HF_MICRO, hf_batch, hf_deepspeed, hf_refusals, hf_strategy
+from .hf import (
+    HF_ACCUM,
+    HF_MICRO,
+    hf_against_deepspeed,
+    hf_against_others,
+    hf_batch,
+    hf_deepspeed,
+    hf_refusals,
+    hf_strategy,
+)
 from .lengths import check_probed_length
 from .problems import _AUTO, CheckResult, _Collector, _fix_for
 from .strategies import Read, check_strategy
@@ -183,6 +192,9 @@ def check_setup(
             c.add("hf-mismatch", f"{hf_loaded[0]} must name the DeepSpeed file being used, but it names {named} "
                   f"and the DeepSpeed file given is {os.fspath(deepspeed)}",
                   f"set deepspeed in {hf_loaded[0]} to {os.fspath(deepspeed)}")
+        hf_against_others(c, *hf_loaded, deepspeed, acc_loaded)
+        if ds_loaded is not None:
+            hf_against_deepspeed(c, *hf_loaded, *ds_loaded)
 
     if probed_strategy is not None:
         _check_strategy(c, probed_strategy, acc_loaded, ds_loaded, hf_loaded)

@@ -32,7 +32,8 @@ def test_auto_values_that_cannot_work_on_three_gpus_are_reported(ds):
 def test_the_fix_names_plans_that_reach_the_target():
     ds = {"train_batch_size": 224, "train_micro_batch_size_per_gpu": 7, "gradient_accumulation_steps": AUTO}
     result = check_setup(deepspeed=ds, gpus_per_node=3)
-    assert result.problems[0].fix.startswith("use a global batch of 222 or 225 on 3 GPUs")
+    # 222 or 225, proposed before, fail too with the file's 7 per GPU: the target must be a multiple of 7 × 3
+    assert result.problems[0].fix.startswith("use a global batch of 210 or 231 (a multiple of 7 × 3 GPUs = 21)")
 
 
 def test_every_combination_is_checked_against_the_identity():

@@ -131,3 +131,14 @@ def test_the_arguments_and_the_other_configs_shard_one_way(tmp_path):
     assert any("trains with FSDP and the accelerate config with DeepSpeed" in p.message for p in crossed.problems)
     # arguments that name neither train with accelerate's plugin, as the Trainer does under accelerate launch
     assert check_setup(hf={"per_device_train_batch_size": 4}, accelerate=acc).ok
+
+
+def test_fsdp_without_a_version_is_read_as_the_installed_transformers_reads_it():
+    from tests.extras import need
+
+    need("transformers")
+    import transformers
+
+    default = "fsdp2" if int(transformers.__version__.split(".")[0]) >= 5 else "fsdp1"
+    for fsdp in ("full_shard auto_wrap", True):
+        assert check_setup(gpus_per_node=2, hf={"fsdp": fsdp}, probed_strategy=default).ok

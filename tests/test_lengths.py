@@ -140,3 +140,13 @@ def test_bad_inputs_are_one_clear_line():
         probe_lengths(workload(), [32, 0], SimulatedBackend("1MiB"))
     with pytest.raises(AutobatchError, match="seq_lens or batches, not both"):
         probe_lengths(workload(), [32], SimulatedBackend("1MiB"), batches=[torch.zeros(1, 4, dtype=torch.long)])
+
+
+def test_the_fit_line_writes_its_sign_once_and_no_negative_zero():
+    # "+ -0.00 B·s²" was printed for a fit whose quadratic term rounds to nothing
+    from autobatch.lengths.table import _fit_text
+    from autobatch.probing.lengthfit import LengthFit
+
+    assert _fit_text(LengthFit(1000.0, 10.0, -0.001, lengths=(8, 16))).endswith("10 B·s + 0.00 B·s²)")
+    assert _fit_text(LengthFit(1000.0, 10.0, -5.0, lengths=(8, 16))).endswith("10 B·s − 5.00 B·s²)")
+    assert _fit_text(LengthFit(1000.0, 10.0, 0.5, lengths=(8, 16))).endswith("10 B·s + 0.50 B·s²)")

@@ -289,6 +289,17 @@ def test_a_mixed_list_under_a_strategy_prints_its_row_and_writes_that_strategy(t
     assert data["strategy"]["name"] == "zero3" and len(data["gpus"]) == 2
 
 
+def test_a_card_named_twice_running_is_one_line_and_a_bf16_estimate_says_bf16() -> None:
+    from typer.testing import CliRunner
+
+    from autobatch.cli import app
+
+    args = ["estimate", "--model", "tiny-gpt2", "--gpu", "a100-80gb:1,a100-80gb:1", "--target", "64", "--dtype", "bf16"]
+    text = CliRunner().invoke(app, args).output
+    assert text.count("× a100-80gb:") == 1 and "2 × a100-80gb: max batch" in text
+    assert "fake-tensor trace, bf16)" in text and "bfloat16" not in text
+
+
 def test_the_guides_table_is_the_one_the_benchmark_wrote() -> None:
     root = Path(__file__).resolve().parents[1]
     bench = [line for line in (root / "docs" / "benchmarks" / "uneven.md").read_text().splitlines()

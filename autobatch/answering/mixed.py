@@ -188,10 +188,16 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     if request.uneven:
         uneven = uneven_plan(request, limits, strategy=request.strategies[0] if request.strategies else None,
                              min_micro=smallest.min_batch, uniform_safe=smallest.safe_batch, speeds="peak")
+    runs: list[list[Any]] = []  # the cards in rank order, a card named twice running once (a100-80gb:2,a100-80gb:2)
+    for spec, n in mix:
+        if runs and runs[-1][0].name == spec.name:
+            runs[-1][1] += n
+        else:
+            runs.append([spec, n])
     cards = tuple({"gpu": spec.name, "count": n, "max_batch": found[spec.name].max_batch,
                    "safe_batch": found[spec.name].safe_batch, "peak_tflops": speed[spec.name][0],
                    "peak_tflops_in": speed[spec.name][1]}
-                  for spec, n in mix)
+                  for spec, n in runs)
     # The smallest card's row, with the strategy it was traced under: the configs shard as it did.
     return Report(request, plan, rows=(Finding(smallest, plan, strategy=wrapped.get(card.name)),), gpu=card,
                   uneven=uneven, cards=cards)

@@ -48,7 +48,8 @@ from .overheads import Overheads, beside_the_context, booked_on_gpu, booking_tex
 from .replay import AllocationLog
 from .symbolic import BatchCurve, trace_curve
 
-__all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "training_copy", "load_fake_model"]
+__all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "training_copy", "load_fake_model",
+           "SHORT_DTYPE"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +98,10 @@ class Estimate(BatchResult):
         read = f" ({', '.join(map(str, once))} read off one trace with the batch a symbol)" if once else ""
         lines.append(f"traced in {self.seconds:.1f} s{read}")
         return "\n".join(lines)
+
+
+# The names the rest of the output uses for an autocast dtype ("bf16", as --dtype takes it).
+SHORT_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
 def load_fake_model(spec: str, **load_kwargs: Any) -> Any:
@@ -357,7 +362,7 @@ def estimate(
         seconds=time.perf_counter() - started,
         workload=workload.name,
         dtype=(str(workload.dtype).lower() if weights_dtype(workload.dtype) is not None
-               else "fp32" if dtype is None else str(dtype).removeprefix("torch.")),
+               else "fp32" if dtype is None else SHORT_DTYPE.get(str(dtype), str(dtype).removeprefix("torch."))),
         extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
                # the batches read off the one symbolic trace; the others were traced at their size
                "traced_once_for": answered, **batchnorm_record(model)},

@@ -19,7 +19,7 @@ from ..probing.result import not_led
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload, resolve_dtype
-from .estimate import IS_THE_TRACE, Estimate, trace_trial, training_copy
+from .estimate import IS_THE_TRACE, SHORT_DTYPE, Estimate, trace_trial, training_copy
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads, beside_the_context, on_gpu
@@ -82,7 +82,7 @@ class FakeLengthRunner:
             safe_peak_bytes=summary.safe_peak_bytes, overheads=self.overheads, trials=outcome.trials,
             traced=tuple(self.traced.get((mode, seq_len), ())), seconds=time.perf_counter() - self.started,
             workload=self.workload.name,
-            dtype="fp32" if dtype is None else str(dtype).removeprefix("torch."),
+            dtype="fp32" if dtype is None else SHORT_DTYPE.get(str(dtype), str(dtype).removeprefix("torch.")),
             extra={"trace_prior": not_led(IS_THE_TRACE), **batchnorm_record(self.model),
                    **({"ddp_buckets_bytes": self.buckets} if self.buckets else {})},
         )

@@ -63,8 +63,9 @@ class LengthRow:
 
 
 def _fit_text(fit: LengthFit) -> str:
-    return (f"peak ≈ {format_bytes(fit.fixed_bytes)} + b·({fit.per_token_bytes:,.0f} B·s + "
-            f"{fit.per_token_pair_bytes:,.2f} B·s²)")
+    pair = fit.per_token_pair_bytes if round(fit.per_token_pair_bytes, 2) != 0 else 0.0  # no "-0.00"
+    return (f"peak ≈ {format_bytes(fit.fixed_bytes)} + b·({fit.per_token_bytes:,.0f} B·s "
+            f"{'−' if pair < 0 else '+'} {abs(pair):,.2f} B·s²)")
 
 
 @dataclass(frozen=True)

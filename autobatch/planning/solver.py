@@ -178,9 +178,20 @@ def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tup
 
 
 def _per_gpu(target: int, world: int) -> str:
-    """``target / world`` to four figures, never rounded up to a whole number it is not (0.99999… is not 1)."""
-    text = f"{target / world:.4g}"
-    return text if target % world == 0 or "." in text or "e" in text else f"{target // world}.{'9' * 4}…"
+    """``target / world``: its whole part in full and its fraction to four places, never rounded up to a
+    whole number it is not (0.99999… is not 1).
+
+    Example:
+        >>> _per_gpu(63, 2), _per_gpu(1000000007, 8), _per_gpu(99999, 100000)
+        ('31.5', '125000000.875', '0.9999…')
+    """
+    whole, rest = divmod(target, world)
+    if rest == 0:
+        return str(whole)
+    fraction = f"{rest / world:.4f}"
+    if fraction == "1.0000":
+        return f"{whole}.9999…"
+    return f"{whole}{fraction[1:].rstrip('0')}"
 
 
 def _no_plan(target: int, gpus_per_node: int, nodes: int, model_parallel: int, allowed: AllowedMicros) -> NoExactPlanError:

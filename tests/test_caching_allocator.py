@@ -108,6 +108,10 @@ def test_batches_that_fit_only_after_a_cache_flush_stay_out_of_the_safe_batch():
     assert result.max_batch == 12 and result.max_trial.alloc_retries == 1
     assert result.safe_batch < min(retried)
     assert result.safe_batch >= max(b for b in clean if b < min(retried))
+    if result.safe_batch + 1 == min(retried):  # the output says why the batches above it are not safe
+        assert f"{min(retried)} fit only after the allocator freed its cached blocks and retried" in str(result)
+    else:
+        assert "freed its cached blocks" not in str(result)
 
 
 def test_the_host_running_out_of_ram_is_reported_not_counted_as_the_budget():
@@ -134,3 +138,20 @@ def test_the_search_stays_exact_on_the_allocators_staircase():
     assert result.limited_by == "memory"
     assert outcome[result.max_batch] and outcome[result.max_batch + 1] is False
     assert all(t.reserved_bytes % (2 * MIB) == 0 for t in result.trials if t.fits)  # whole segments
+
+
+def test_the_answer_says_why_a_batch_that_fit_after_a_retry_is_not_safe():
+    from autobatch.probing.backends import DeviceInfo
+    from autobatch.probing.probe import ProbeResult, summarise
+    from autobatch.probing.trial import Trial
+
+    trials = (Trial(1, True, 100, 100), Trial(5, True, 500, 500), Trial(6, True, 600, 600, alloc_retries=1),
+              Trial(7, False, 1000, 1000))
+    summary = summarise(trials, 6, 1000)
+    result = ProbeResult(max_batch=6, safe_batch=summary.safe_batch, limited_by="memory", min_batch=1, trials=trials,
+                         device=DeviceInfo("simulated", "cpu", None, 1000, 1000, 0, 1000, host="h"),
+                         capacity_bytes=1000, headroom_bytes=0, bytes_per_sample=100.0, fixed_bytes=0.0,
+                         safe_peak_bytes=500, safe_peak_measured=True)
+    assert result.safe_batch == 5
+    assert "safe batch 5 (peak 500 B, headroom 0 B; 6 fit only after the allocator freed its cached blocks and " \
+           "retried, a step from running out: no batch from it on is safe)" in str(result)

@@ -87,7 +87,7 @@ class Estimate(BatchResult):
             f"estimated max batch {self.max_batch} (limited by {self.limit_text()}), {len(self.trials)} traced trials: "
             + self.trials_text(),
             f"estimated safe batch {self.safe_batch} (peak {format_bytes(self.safe_peak_bytes)} predicted, "
-            f"headroom {format_bytes(self.headroom_bytes)})",
+            f"headroom {format_bytes(self.headroom_bytes)}{self.retried_text()})",
         ]
         if self.memory_line():
             lines.append(

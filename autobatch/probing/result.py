@@ -63,6 +63,15 @@ class BatchResult:
         """``4✓, 9✗, 7✓, 8✗``: every trial in the order it ran."""
         return ", ".join(f"{t.batch}{'✓' if t.fits else '✗'}" for t in self.trials)
 
+    def retried_text(self) -> str:
+        """Why the safe batch stops below batches that fit, where the first of them fit only after the
+        allocator freed its cache and retried (:func:`~autobatch.probing.probe.summarise`): ``""`` elsewhere."""
+        retried = min((t.batch for t in self.trials if t.fits and t.alloc_retries), default=None)
+        if retried is None or retried != self.safe_batch + 1:
+            return ""
+        return (f"; {retried} fit only after the allocator freed its cached blocks and retried, a step from running "
+                "out: no batch from it on is safe")
+
     def limit_text(self) -> str:
         # The cap has two names: max_batch= in Python, --max-micro on the command line.
         return "the --max-micro / max_batch= cap" if self.limited_by == "max_batch" else "memory"
@@ -152,7 +161,8 @@ class ProbeResult(BatchResult):
             f"{self.workload} on {self.device.name}: capacity {format_bytes(self.capacity_bytes)}",
             f"max batch {self.max_batch} (limited by {self.limit_text()}), found in {len(self.trials)} trials: "
             + self.trials_text(),
-            f"safe batch {self.safe_batch} (peak {self._safe_peak_text()}, headroom {format_bytes(self.headroom_bytes)})",
+            f"safe batch {self.safe_batch} (peak {self._safe_peak_text()}, headroom {format_bytes(self.headroom_bytes)}"
+            f"{self.retried_text()})",
         ]
         lines.insert(2, self.trace_line())
         if self.memory_line():

@@ -132,3 +132,14 @@ def test_planning_flags_and_plot_are_refused_before_any_trial(monkeypatch):
     ):
         result = run("find", "--model", MODEL, "--seq-len", "64,128", *DEVICE, *args)
         assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_an_estimated_table_names_its_dtype_as_the_one_length_estimate_does():
+    # The table's estimate called pure bf16 weights "fp32": it named the dtype its own way
+    result = run("estimate", "--model", MODEL, "--seq-len", "64,128", "--gpu-memory", "1GiB", "--dtype", "bf16-true",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    import autobatch
+
+    request = autobatch.Request(model=MODEL, seq_len=(64, 128), gpu_memory="1GiB", dtype="bf16-true", estimate=True)
+    assert {row.train.dtype for row in autobatch.answer(request).lengths.rows} == {"bf16-true"}

@@ -49,7 +49,7 @@ from .replay import AllocationLog
 from .symbolic import BatchCurve, trace_curve
 
 __all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "training_copy", "load_fake_model",
-           "SHORT_DTYPE"]
+           "dtype_label"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,21 @@ class Estimate(BatchResult):
 
 
 # The names the rest of the output uses for an autocast dtype ("bf16", as --dtype takes it).
-SHORT_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+_SHORT_DTYPE = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def dtype_label(dtype: Any) -> str:
+    """How an estimate names a workload's ``dtype``: ``"bf16-true"`` for pure low-precision weights,
+    ``"bf16"``/``"fp16"`` for autocast, ``"fp32"`` without either, as ``--dtype`` takes them.
+
+    Example:
+        >>> dtype_label("bf16-true"), dtype_label(torch.bfloat16), dtype_label(None)
+        ('bf16-true', 'bf16', 'fp32')
+    """
+    if weights_dtype(dtype) is not None:
+        return str(dtype).lower()
+    resolved = resolve_dtype(dtype)
+    return "fp32" if resolved is None else _SHORT_DTYPE.get(str(resolved), str(resolved).removeprefix("torch."))
 
 
 def load_fake_model(spec: str, **load_kwargs: Any) -> Any:
@@ -344,7 +358,6 @@ def estimate(
             "a smaller model or a larger GPU"
         )
     summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
-    dtype = resolve_dtype(workload.dtype)
     return Estimate(
         max_batch=outcome.max_batch,
         safe_batch=summary.safe_batch,
@@ -361,8 +374,7 @@ def estimate(
         traced=tuple(traced),
         seconds=time.perf_counter() - started,
         workload=workload.name,
-        dtype=(str(workload.dtype).lower() if weights_dtype(workload.dtype) is not None
-               else "fp32" if dtype is None else SHORT_DTYPE.get(str(dtype), str(dtype).removeprefix("torch."))),
+        dtype=dtype_label(workload.dtype),
         extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
                # the batches read off the one symbolic trace; the others were traced at their size
                "traced_once_for": answered, **batchnorm_record(model)},

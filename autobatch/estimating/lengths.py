@@ -18,8 +18,8 @@ from ..probing.probe import MemorySummary
 from ..probing.result import not_led
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
-from ..probing.workload import Workload, resolve_dtype
-from .estimate import IS_THE_TRACE, SHORT_DTYPE, Estimate, trace_trial, training_copy
+from ..probing.workload import Workload
+from .estimate import IS_THE_TRACE, Estimate, dtype_label, trace_trial, training_copy
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads, beside_the_context, on_gpu
@@ -74,7 +74,6 @@ class FakeLengthRunner:
 
     def result(self, mode: str, seq_len: int, outcome: SearchOutcome, summary: MemorySummary, min_batch: int,
                headroom_bytes: int) -> Estimate:
-        dtype = resolve_dtype(self.workload.dtype)
         return Estimate(
             max_batch=outcome.max_batch, safe_batch=summary.safe_batch, limited_by=outcome.limited_by,
             min_batch=min_batch, gpu=self.spec, capacity_bytes=self.capacity, headroom_bytes=headroom_bytes,
@@ -82,7 +81,7 @@ class FakeLengthRunner:
             safe_peak_bytes=summary.safe_peak_bytes, overheads=self.overheads, trials=outcome.trials,
             traced=tuple(self.traced.get((mode, seq_len), ())), seconds=time.perf_counter() - self.started,
             workload=self.workload.name,
-            dtype="fp32" if dtype is None else SHORT_DTYPE.get(str(dtype), str(dtype).removeprefix("torch.")),
+            dtype=dtype_label(self.workload.dtype),
             extra={"trace_prior": not_led(IS_THE_TRACE), **batchnorm_record(self.model),
                    **({"ddp_buckets_bytes": self.buckets} if self.buckets else {})},
         )

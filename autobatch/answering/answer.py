@@ -185,7 +185,7 @@ def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | 
 def _estimate(request: Request, note: Note, on_trial: Callable[[Any], None] | None = None) -> Report:
     """No GPU to probe, or a named one: the same steps traced on fake tensors for ``request``'s GPU."""
     from ..estimating.estimate import estimate
-    from ..estimating.gpus import resolve_gpu
+    from ..estimating.gpus import lacks_bf16, resolve_gpu
 
     if mixed_gpus(request) is not None:
         return estimate_mixed(request, note)
@@ -195,7 +195,7 @@ def _estimate(request: Request, note: Note, on_trial: Callable[[Any], None] | No
                   else "the default; pick your card with --gpu, see `autobatch gpus`")
         note(f"no CUDA GPU here, so these are estimates for {spec.name} ({chosen}) from a fake-tensor trace; "
              "run find on the GPU machine for exact figures")
-    if (request.precision or "").startswith("bf16") and "no bf16" in spec.notes:
+    if lacks_bf16(spec, request.precision):
         note(f"{spec.name} has no bf16 ({spec.notes}): the estimate is of bf16 as asked, but on this card train "
              "with fp16 or fp32 (--dtype fp16)")
     gpus = request.gpus_here()

@@ -142,7 +142,7 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     """An estimate for a mixed ``--gpu`` list: every card traced, the uniform plan at the smallest
     card's safe batch and, with ``uneven``, a plan per rank split by the cards' peak speeds."""
     from ..estimating.estimate import estimate
-    from ..estimating.gpus import peak_tflops
+    from ..estimating.gpus import lacks_bf16, peak_tflops
     from ..pipeline import Finding
     from ..planning.solver import solve
     from .report import Report
@@ -157,7 +157,7 @@ def estimate_mixed(request: Request, note: Callable[[str], None]) -> Any:
     # Each card once (a card may stand twice in the list); the model is built once for all of them.
     cards_once = list({spec.name: spec for spec, _ in mix}.values())
     for spec in cards_once:  # as for one card
-        if (request.precision or "").startswith("bf16") and "no bf16" in spec.notes:
+        if lacks_bf16(spec, request.precision):
             note(f"{spec.name} has no bf16 ({spec.notes}): the estimate is of bf16 as asked, its ranks balanced "
                  "by the card's fp32 speed, but on this card train with fp16 or fp32 (--dtype fp16)")
     found: dict[str, Any] = {}

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..strategy import FSDP_SHARDINGS, Strategy
 from .problems import _Collector
+from .views import _ds_precision
 
 __all__ = ["HF_MICRO", "HF_ACCUM", "hf_batch", "hf_deepspeed", "hf_refusals", "hf_strategy", "hf_against_deepspeed",
            "hf_against_others"]
@@ -138,11 +139,9 @@ def hf_against_deepspeed(c: _Collector, label: str, args: Mapping[str, Any], ds_
     differs stops the Trainer ('Please correct the following DeepSpeed config values that mismatch
     TrainingArguments values')."""
     for key in ("fp16", "bf16"):
-        section = ds.get(key) if key in ds or key == "fp16" else ds.get("bfloat16")
-        value = section.get("enabled") if isinstance(section, Mapping) else None
-        if value is None or value == "auto":
+        theirs = _ds_precision(ds, key)
+        if theirs is None:
             continue
-        theirs = _on(value)
         ours = _on(args.get(key)) or _on(args.get(f"{key}_full_eval"))
         if theirs != ours:
             c.add("hf-mismatch", f"the Trainer takes {key}.enabled from its arguments, but {ds_label} sets it "

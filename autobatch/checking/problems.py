@@ -208,7 +208,7 @@ def _fix_pinned(target: int, micro: int | None, accum: int | None, topo: tuple[i
     step = per_rank * (world if micro is not None else world * min_micro)  # a derived micro batch is ≥ min_micro
     pinned = " × ".join(str(n) for n in (micro, accum) if n is not None)
     if micro is None:
-        pinned += f" accumulation steps" + (f" × {min_micro} samples" if min_micro > 1 else "")
+        pinned += " accumulation steps" + (f" × {min_micro} samples" if min_micro > 1 else "")
     if micro is not None and accum is not None:  # all three set: the identity leaves one global batch
         fix = f"use a global batch of {step} (= {pinned} × {world} GPUs)"
     else:

@@ -23,7 +23,6 @@ from ..configs.deepspeed import (
     BATCH_KEYS,
     ZERO_OPTIMIZATION,
 )
-from ..errors import AutobatchError
 from ..modelinfo import per_gpu_statistics
 from ..strategy import Strategy, fsdp_sharding, strategy_from_accelerate, strategy_from_deepspeed
 from .hf import (
@@ -220,36 +219,24 @@ def check_setup(
     if hf_loaded is not None:  # the Trainer's arguments, which fill a DeepSpeed file's "auto" at launch
         hf_numbers = dict(zip(("micro", "accum"), hf_batch(c, *hf_loaded)))
         if not determined:
-            numbers = list(given.numbers())
-            for n, slot, key in ((1, "micro", HF_MICRO), (2, "accum", HF_ACCUM)):
-                if numbers[n] is None and hf_numbers[slot] is not None:
-                    numbers[n] = hf_numbers[slot]
-                    default = "" if key in hf_loaded[1] else " (the Trainer's default: the file leaves it out)"
-                    c.note(f"took {key}={numbers[n]} from {hf_loaded[0]}{default}")
-            given = _Batch(*numbers)
+            default = " (the Trainer's default: the file leaves it out)"
+            given = _taken(c, given, hf_loaded[0], {key: (hf_numbers[slot], "" if key in hf_loaded[1] else default)
+                                                    for slot, key in (("micro", HF_MICRO), ("accum", HF_ACCUM))})
             determined = True
-    if values is not None and not determined and (given.target is not None or given.micro is not None):
+    open_gap = not determined and (given.target is not None or given.micro is not None)
+    if values is not None and open_gap:
         # When the arguments alone would need an assumption (accumulation 1), the DeepSpeed file
         # fills the gap instead: `--target 512 --deepspeed ds.json` is checked with the file's
         # micro batch and accumulation. Arguments that determine all three are compared instead.
-        numbers = list(given.numbers())
-        for n, key in enumerate(BATCH_KEYS):
-            if numbers[n] is None and isinstance(values[key], int):
-                numbers[n] = values[key]
-                c.note(f"took {key}={values[key]} from {ds_loaded[0]}")  # type: ignore[index]
-        given = _Batch(*numbers)
+        given = _taken(c, given, ds_loaded[0], {key: (values[key], "") for key in BATCH_KEYS})  # type: ignore[index]
     acc_accum = None  # accelerate's DeepSpeed plugin holds the accumulation too
     if acc_loaded is not None:
         section = acc_loaded[1].get("deepspeed_config") or {}
         acc_accum = section.get("gradient_accumulation_steps") if isinstance(section, Mapping) else None
-        if acc_accum is not None and acc_accum != _AUTO:
-            acc_accum = c.positive_int("gradient_accumulation_steps", acc_accum, acc_loaded[0])
-            if (acc_accum is not None and given.accum is None and not determined
-                    and (given.target is not None or given.micro is not None)):
-                given = _Batch(given.target, given.micro, acc_accum)  # as a DeepSpeed file's fills the gap
-                c.note(f"took gradient_accumulation_steps={acc_accum} from {acc_loaded[0]}")
-        else:
-            acc_accum = None
+        acc_accum = None if acc_accum == _AUTO else c.positive_int("gradient_accumulation_steps", acc_accum,
+                                                                    acc_loaded[0])
+        if open_gap:  # as a DeepSpeed file's fills the gap
+            given = _taken(c, given, acc_loaded[0], {"gradient_accumulation_steps": (acc_accum, "")})
 
     # Count problems before the flags view so the DeepSpeed view does not repeat its arithmetic.
     before = len(c.problems)
@@ -329,3 +316,19 @@ def _check_strategy(c: _Collector, probed: str | Strategy, acc_loaded: Any, ds_l
             key, full = "fsdp_config.reshard_after_forward", "true" if read.name == "fsdp2" else "full_shard"
         reads.append(Read(label, read, sharding, f"{said} ({sharding})", key, full))
     check_strategy(c, probed, reads)
+
+
+_SLOTS = {"train_batch_size": 0, "train_micro_batch_size_per_gpu": 1, "per_device_train_batch_size": 1,
+          "gradient_accumulation_steps": 2}  # where each file's key goes in (target, micro, accum)
+
+
+def _taken(c: _Collector, given: _Batch, label: str, found: Mapping[str, tuple[Any, str]]) -> _Batch:
+    """``given`` with each number the arguments leave open taken from a file's ``found`` key (``{key:
+    (value, why)}``: a whole number only, not "auto"), each said in a note."""
+    numbers = list(given.numbers())
+    for key, (value, why) in found.items():
+        n = _SLOTS[key]
+        if numbers[n] is None and isinstance(value, int) and not isinstance(value, bool):
+            numbers[n] = value
+            c.note(f"took {key}={value} from {label}{why}")
+    return _Batch(*numbers)

@@ -5,6 +5,7 @@ Each view derives the batch arithmetic the way its library will and records what
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -153,18 +154,22 @@ def _zero_stage_view(c: _Collector, label: str, ds: dict[str, Any]) -> None:
               stage=stage)
 
 
-def _enabled(section: Any) -> bool:
-    """A precision section's ``enabled`` as DeepSpeed's config model reads it (a pydantic bool); "auto" is the launcher's."""
-    value = section.get("enabled", False) if isinstance(section, dict) else False
+def _ds_precision(ds: Mapping[str, Any], key: str) -> bool | None:
+    """``fp16.enabled`` or ``bf16.enabled`` as DeepSpeed's config model reads it (a pydantic bool; ``bf16``
+    else the older ``bfloat16``); ``None`` where the config leaves it unset or "auto" (the launcher's)."""
+    section = ds.get(key) if key == "fp16" or key in ds else ds.get("bfloat16")
+    value = section.get("enabled") if isinstance(section, Mapping) else None
+    if value is None or value == _AUTO:
+        return None
     return value is True or (isinstance(value, (int, str)) and not isinstance(value, bool)
                              and str(value).strip().lower() in ("1", "true", "yes", "on"))
 
 
 def _precision_view(c: _Collector, label: str, ds: dict[str, Any]) -> None:
     """fp16 and bf16 both enabled: DeepSpeed asserts at start-up ('bfloat16 and fp16 modes cannot be
-    simultaneously enabled'); it reads ``bf16``, else the older ``bfloat16``."""
+    simultaneously enabled')."""
     bf16_key = "bf16" if "bf16" in ds else "bfloat16"
-    if _enabled(ds.get("fp16")) and _enabled(ds.get(bf16_key)):
+    if _ds_precision(ds, "fp16") and _ds_precision(ds, "bf16"):
         c.add("deepspeed-precision",
               f"DeepSpeed trains in one of fp16 and bf16, but {label} enables both (fp16.enabled and "
               f"{bf16_key}.enabled); DeepSpeed stops at start-up: 'bfloat16 and fp16 modes cannot be simultaneously "

@@ -87,7 +87,7 @@ def accelerate_config(
         'MULTI_GPU'
     """
     found = trained_with(plan, strategy=strategy)
-    strategy = as_strategy(found.strategy)
+    strategy = found.strategy
     if mixed_precision is None:  # autocast as the batch was found; pure bf16 weights are the model's own
         mixed_precision = found.precision if found.precision in ("bf16", "fp16") else "no"
     zero = strategy is not None and strategy.is_deepspeed

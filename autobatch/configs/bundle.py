@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import Strategy, as_strategy
+from ..strategy import Strategy
 from .accelerate import describe_changes, write_accelerate_config
 from .deepspeed import write_deepspeed_config
 from .files import _JSON, _YAML, ConfigFileError, keep_original, read_config, write_config
@@ -124,7 +124,7 @@ def write_plan_configs(
     """
     found = trained_with(plan, strategy=strategy, probed_zero=probed_zero, precision=precision,
                          grad_checkpointing=grad_checkpointing)
-    strategy, probed_zero, precision = as_strategy(found.strategy), found.probed_zero, found.precision
+    strategy, probed_zero, precision = found.strategy, found.probed_zero, found.precision
     grad_checkpointing = found.grad_checkpointing
     written = {} if written is None else written
     changes = [] if changes is None else changes

@@ -114,7 +114,7 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         {'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2, 'zero_optimization': {'stage': 0}}
     """
     found = trained_with(plan, strategy=strategy, probed_zero=probed_zero, precision=precision)
-    strategy, probed_zero, precision = as_strategy(found.strategy), found.probed_zero, found.precision
+    strategy, probed_zero, precision = found.strategy, found.probed_zero, found.precision
     config = copy.deepcopy(existing) if existing is not None else {}
     for key, value in zip(BATCH_KEYS, (plan.global_batch, plan.micro_batch, plan.grad_accum)):
         if keep_auto and config.get(key) == "auto":
@@ -171,7 +171,8 @@ def write_deepspeed_config(
         strategy, probed_zero, precision: The probed strategy, its ZeRO values and precision (see
             :func:`deepspeed_config`).
 
-    A file read as hjson is written back as plain JSON, so its comments are not kept.
+    A file read as hjson is written back as plain JSON, which keeps no comments: the file as it was is
+    kept beside it first (``NAME.orig``, :func:`~autobatch.configs.files.keep_original`).
 
     Example:
         >>> write_deepspeed_config(plan, "ds_config.json")  # doctest: +SKIP

@@ -48,7 +48,7 @@ def hf_training_args(plan: Plan, deepspeed_config_file: str | os.PathLike[str] |
     """
     found = trained_with(plan, strategy=strategy, precision=precision, grad_checkpointing=grad_checkpointing,
                          probed_zero=probed_zero)
-    strategy, precision, probed_zero = as_strategy(found.strategy), found.precision, found.probed_zero
+    strategy, precision, probed_zero = found.strategy, found.precision, found.probed_zero
     grad_checkpointing = found.grad_checkpointing
     args: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..strategy import SIZE_BASED_MIN_PARAMS, as_strategy
+from ..strategy import SIZE_BASED_MIN_PARAMS
 from .trained import trained_with
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def lightning_settings(plan: Plan, *, strategy: Any = None, precision: str | Non
         {'trainer': {'accumulate_grad_batches': 2, 'devices': 16, 'num_nodes': 1}, 'dataloader': {'batch_size': 7}}
     """
     found = trained_with(plan, strategy=strategy, precision=precision, probed_zero=probed_zero)
-    strategy, precision, probed_zero = as_strategy(found.strategy), found.precision, found.probed_zero
+    strategy, precision, probed_zero = found.strategy, found.precision, found.probed_zero
     trainer: dict[str, Any] = {
         "accumulate_grad_batches": plan.grad_accum,
         "devices": plan.gpus_per_node,

@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import AutobatchError
 from ..units import format_bytes, parse_bytes
 
-__all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "DEFAULT_CONTEXT_BYTES", "PEAK_TFLOPS", "PEAK_TFLOPS_FP32", "peak_tflops", "lookup_gpu", "custom_gpu",
+__all__ = ["GpuSpec", "GPUS", "DEFAULT_GPU", "DEFAULT_CONTEXT_BYTES", "PEAK_TFLOPS", "PEAK_TFLOPS_FP32", "peak_tflops", "lacks_bf16", "lookup_gpu", "custom_gpu",
            "resolve_gpu", "gpu_mix"]
 
 _MIB = 1 << 20
@@ -120,6 +120,16 @@ PEAK_TFLOPS_FP32: dict[str, float] = {
 }
 
 
+def lacks_bf16(spec: GpuSpec, precision: str | None) -> bool:
+    """Whether ``precision`` asks bf16 (autocast or pure weights) of a card that has none (V100, T4: emulated).
+
+    Example:
+        >>> lacks_bf16(GPUS["v100-32gb"], "bf16-true"), lacks_bf16(GPUS["a100-80gb"], "bf16"), lacks_bf16(GPUS["t4"], None)
+        (True, False, False)
+    """
+    return (precision or "").startswith("bf16") and "no bf16" in spec.notes
+
+
 def peak_tflops(name: str, precision: str | None) -> tuple[float | None, str]:
     """A card's peak dense TFLOPS in the format a job trains in, and that format's name.
 
@@ -133,7 +143,7 @@ def peak_tflops(name: str, precision: str | None) -> tuple[float | None, str]:
         ((19.5, 'fp32'), (312.0, '16-bit'), (15.7, 'fp32: no bf16 on this card'))
     """
     spec = GPUS.get(name)
-    if precision is not None and precision.startswith("bf16") and spec is not None and "no bf16" in spec.notes:
+    if spec is not None and lacks_bf16(spec, precision):
         return PEAK_TFLOPS_FP32.get(name), "fp32: no bf16 on this card"
     if precision is None:
         return PEAK_TFLOPS_FP32.get(name), "fp32"

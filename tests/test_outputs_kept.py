@@ -152,3 +152,23 @@ def test_the_python_writers_keep_a_commented_file_too(tmp_path):
     write_deepspeed_config(Plan(4, 2, gpus_per_node=8), ds)
     assert (tmp_path / "ds.json.orig").read_text().startswith('{"train_batch_size": 64, /* ours */')
     assert json.loads(ds.read_text())["steps_per_print"] == 10
+
+
+def test_a_comment_sign_inside_a_quoted_string_is_no_comment(tmp_path):
+    """A path or a name with ``//`` or ``#`` in it is a value, not a comment: no copy is kept of a file
+    that loses nothing, and a comment after a quote-like character still counts."""
+    ds, acc = tmp_path / "ds.json", tmp_path / "acc.yaml"
+    ds.write_text('{"tensorboard": {"enabled": true, "output_path": "s3://runs/#7", "job_name": "a \\" // b"},\n'
+                  ' "train_batch_size": 64}\n')
+    acc.write_text("num_machines: 1\nmain_process_ip: 'host#1'\ndeepspeed_config:\n  note: \"a # b\"\n")
+    result = CliRunner().invoke(app, ["solve", "--target", "256", "--gpus", "8", "--max-micro", "16",
+                                      "--deepspeed", str(ds), "--accelerate", str(acc)])
+    assert result.exit_code == 0, result.output
+    assert "its comments are in" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acc.yaml", "ds.json"]
+    assert json.loads(ds.read_text())["tensorboard"]["output_path"] == "s3://runs/#7"
+    acc.write_text("num_machines: 1\nmain_process_ip: it's here  # the head node\n")
+    again = CliRunner().invoke(app, ["solve", "--target", "256", "--gpus", "8", "--max-micro", "16",
+                                     "--accelerate", str(acc)])
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "acc.yaml.orig").read_text().endswith("# the head node\n")

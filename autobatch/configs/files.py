@@ -105,15 +105,43 @@ _OUR_HEADER = "# written by autobatch:"  # the comment block accelerate files ge
 
 def has_comments(path: str | os.PathLike[str]) -> bool:
     """Whether a file holds comments of its user's, which a rewrite loses: ``//``, ``/* */`` or ``#`` in
-    JSON (DeepSpeed reads it as HJSON), ``#`` lines in YAML, less the header autobatch wrote itself."""
+    JSON (DeepSpeed reads it as HJSON), ``#`` in YAML, less the header autobatch wrote itself; never
+    what is inside a quoted string (``"output_path": "s3://runs"``, ``name: "run #2"``).
+
+    Example:
+        >>> _comment_in('{"output_path": "s3://runs/#1"}', json=True), _comment_in('{"a": 1} // why', json=True)
+        (False, True)
+        >>> _comment_in("name: 'run #2'", json=False), _comment_in("note: it's 4  # fits", json=False)
+        (False, True)
+    """
     lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
     if lines and lines[0].startswith(_OUR_HEADER):
         while lines and lines[0].lstrip().startswith("#"):
             lines.pop(0)
-    if Path(path).suffix.lower() in _YAML:
-        return any(line.lstrip().startswith("#") or " #" in line for line in lines)
-    text = "\n".join(lines)
-    return "//" in text or "/*" in text or any(line.lstrip().startswith("#") for line in lines)
+    return _comment_in("\n".join(lines), json=Path(path).suffix.lower() not in _YAML)
+
+
+def _comment_in(text: str, *, json: bool) -> bool:
+    """Whether ``text`` has a comment outside its quoted strings: JSON's ``"…"`` (HJSON's ``//``, ``/*``
+    and ``#``), YAML's ``"…"`` and ``'…'`` (``#`` at a line's start or after a blank)."""
+    quote, previous, before, i = "", "\n", "\n", 0  # before: the last character that is no blank
+    while i < len(text):
+        char = text[i]
+        if quote:
+            if char == "\\" and quote == '"':
+                i += 1  # an escaped character, a quote among them
+            elif char == quote:
+                quote = ""
+        elif char == '"' if json else (char in "\"'" and before in "\n:-[{,?"):  # YAML quotes open a value only
+            quote = char
+        elif char == "#" and (json or previous in " \t\n"):
+            return True
+        elif json and char == "/" and text[i + 1:i + 2] in ("/", "*"):
+            return True
+        previous = char
+        before = char if char not in " \t" else before
+        i += 1
+    return False
 
 
 def keep_original(path: str | os.PathLike[str]) -> Path | None:

@@ -116,7 +116,7 @@ def test_a_resumed_study_times_its_baseline_again_before_claiming_a_speedup(tmp_
     rate = {"now": 10.0}
     timed: list[str] = []
 
-    def timing(workload, model, backend, plan, *, steps, on_step=None):
+    def timing(workload, model, backend, plan, *, steps, on_step=None, spread=None):
         timed.append(f"{plan.micro_batch}x{plan.grad_accum}")
         return rate["now"], 0.01
 
@@ -145,7 +145,7 @@ def test_a_plan_proposed_again_in_a_run_is_never_timed_again_pruned_or_not(tmp_p
     module = importlib.import_module("autobatch.tuning.tune")
     timed: list[str] = []
 
-    def timing(workload, model, backend, plan, *, steps, on_step=None):
+    def timing(workload, model, backend, plan, *, steps, on_step=None, spread=None):
         label = f"{plan.micro_batch}x{plan.grad_accum}"
         timed.append(label)
         rate = 100.0 if plan.grad_accum == 1 else 10.0  # the baseline fast, every other plan pruned
@@ -197,6 +197,11 @@ def test_time_plan_gives_the_model_back_unchanged():
     rate, seconds = time_plan(work, model, SimulatedBackend("1MiB"), Plan(4, 2), steps=2,
                               on_step=lambda i, r: seen.append(i))
     assert seen == [0, 1] and rate > 0 and seconds > 0
+    swung: list[float] = []
+    time_plan(work, model, SimulatedBackend("1MiB"), Plan(4, 2), steps=3, spread=swung)
+    assert len(swung) == 1 and swung[0] >= 0  # two timed steps or more: how far they swung
+    time_plan(work, model, SimulatedBackend("1MiB"), Plan(4, 2), steps=1, spread=swung)
+    assert len(swung) == 1  # one step has no spread
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.checkpointing is False
 
@@ -256,3 +261,27 @@ def test_cli_json_and_errors(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "unexpected extra argument(s) (sometimes)" in bad.stderr
     listed = runner.invoke(app, ["cache", "list", "--json"])
     assert json.loads(listed.stdout)["entries"][0]["max_batch"] == 8
+
+
+@pytest.mark.parametrize("lead, within", [(1.03, True), (1.5, False)])
+def test_a_lead_no_larger_than_the_steps_swung_is_called_noise(tmp_path, monkeypatch, lead, within):
+    """On a busy machine steps swing: a best plan 3 % ahead of the baseline, whose steps each swung
+    by 4–5 %, is no answer; one 50 % ahead is. Both say how far their steps swung."""
+    import importlib
+
+    module = importlib.import_module("autobatch.tuning.tune")
+
+    def timing(workload, model, backend, plan, *, steps, on_step=None, spread=None):
+        spread.append(0.05 if plan.grad_accum == 1 else 0.04)
+        return (100.0 if plan.grad_accum == 1 else 100.0 * lead), 0.01
+
+    monkeypatch.setattr(module, "time_plan", timing)
+    result = tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=3, root=tmp_path, max_batch=64)
+    assert result.best.candidate != result.baseline.candidate
+    assert (result.best.spread, result.baseline.spread) == (0.04, 0.05)
+    assert result.within_spread is within and result.to_dict()["within_spread"] is within
+    assert result.to_dict()["best"]["spread"] == 0.04
+    text = str(result)
+    assert "± 4.0 % over its steps" in text and "± 5.0 % over its steps" in text
+    assert ("no more than the two plans' steps swung (± 4.0 % and ± 5.0 %): time more steps (--timed-steps 10)"
+            in text) is within

@@ -51,13 +51,14 @@ class Measurement:
     seconds_per_step: float | None
     trial_number: int
     earlier_run: bool = False  # timed by an earlier run of the study: another process, not compared with this run's
+    spread: float | None = None  # half the range of its timed steps' seconds over their median (None: one step)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "trial": self.trial_number, "state": self.state, "micro_batch": self.candidate.plan.micro_batch,
             "grad_accum": self.candidate.plan.grad_accum, "grad_checkpointing": self.candidate.grad_checkpointing,
             "samples_per_second": self.samples_per_second, "seconds_per_step": self.seconds_per_step,
-            "earlier_run": self.earlier_run,
+            "spread": self.spread, "earlier_run": self.earlier_run,
         }
 
 
@@ -69,12 +70,16 @@ def time_plan(
     *,
     steps: int = 3,
     on_step: Callable[[int, float], None] | None = None,
+    spread: list[float] | None = None,
 ) -> tuple[float, float]:
     """Time ``plan`` on ``backend``: ``(samples per second, seconds per optimizer step)``.
 
     One untimed warm-up (optimizer state, kernel selection), then ``steps`` timed micro steps and
     optimizer steps; a step takes ``grad_accum ×`` the median micro step plus the median optimizer
     step. Only a few micro steps run whatever the accumulation, so timing costs seconds.
+    ``spread``, where given, gets how far the timed steps swung: half the range of their seconds
+    (each as ``grad_accum ×`` its micro step plus its optimizer step) over their median, once
+    there are two; a difference between plans smaller than their spreads is noise.
     ``on_step(i, samples_per_second_so_far)`` after each timed step may raise to stop early
     (optuna's pruning does). The model is lent and given back unchanged; ``workload.grad_checkpointing``
     is applied while it is lent.
@@ -90,6 +95,7 @@ def time_plan(
     device = backend.device
     micro: list[float] = []
     optim: list[float] = []
+    whole: list[float] = []
     rate = seconds = 0.0
     with borrowed_model(model, device, grad_checkpointing=workload.grad_checkpointing) as lent:
         params = list(lent.parameters())
@@ -110,6 +116,7 @@ def time_plan(
                         continue  # warm-up: optimizer state appears here
                     micro.append(middle - start)
                     optim.append(time.perf_counter() - middle)
+                    whole.append(plan.grad_accum * micro[-1] + optim[-1])
                     seconds = plan.grad_accum * statistics.median(micro) + statistics.median(optim)
                     rate = plan.global_batch / seconds
                     if on_step is not None:
@@ -118,6 +125,8 @@ def time_plan(
                 del optimizer
                 lent.zero_grad(set_to_none=True)
     backend.release()
+    if spread is not None and len(whole) > 1:
+        spread.append((max(whole) - min(whole)) / 2 / statistics.median(whole))
     return rate, seconds
 
 

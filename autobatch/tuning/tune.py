@@ -74,12 +74,21 @@ class TuneResult:
     def speedup(self) -> float:
         return (self.best.samples_per_second or 0.0) / (self.baseline.samples_per_second or float("inf"))
 
+    @property
+    def within_spread(self) -> bool:
+        """Whether the best plan's lead is no larger than how far the two plans' timed steps swung:
+        on a busy or warming device that lead may be noise. False where either was timed on one step."""
+        if self.best.candidate == self.baseline.candidate or self.best.spread is None or self.baseline.spread is None:
+            return False
+        return self.speedup - 1 <= self.best.spread + self.baseline.spread
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
             "best": {**self.best.to_dict(), "plan": self.best.candidate.plan.to_dict()},
             "baseline": {**self.baseline.to_dict(), "plan": self.baseline.candidate.plan.to_dict()},
             "speedup": self.speedup,
+            "within_spread": self.within_spread,
             "study_name": self.study_name,
             "storage": self.storage,
             "candidates": [c.label for c in self.candidates],
@@ -90,8 +99,9 @@ class TuneResult:
 
     def __str__(self) -> str:
         def line(m: Measurement) -> str:
+            swing = "" if m.spread is None else f" ± {_percent(m.spread)} over its steps"
             return f"{m.candidate.plan} checkpointing {'on' if m.candidate.grad_checkpointing else 'off'}: " \
-                   f"{m.samples_per_second:,.1f} samples/s ({m.seconds_per_step:.4f} s/step)"
+                   f"{m.samples_per_second:,.1f} samples/s ({m.seconds_per_step:.4f} s/step{swing})"
 
         done = sum(m.state == "COMPLETE" for m in self.measurements)
         pruned = sum(m.state == "PRUNED" for m in self.measurements)
@@ -99,6 +109,10 @@ class TuneResult:
             verdict = "the largest micro batch is also the fastest plan measured"
         else:
             verdict = f"{self.speedup:.2f}× the throughput of the largest-micro plan"
+            if self.within_spread:
+                verdict += (f", no more than the two plans' steps swung (± {_percent(self.best.spread)} and "
+                            f"± {_percent(self.baseline.spread)}): time more steps (--timed-steps 10) on a quiet "
+                            "device before taking one over the other")
         earlier = sum(m.earlier_run for m in self.measurements)
         note = ([f"(best and baseline timed in this run; the study's {earlier} timing(s) from earlier runs are in "
                  "--json as earlier_run, not compared: another process, another load)"] if earlier else [])
@@ -110,6 +124,10 @@ class TuneResult:
             f"study {self.study_name} in {self.storage}: {len(self.candidates)} candidate plans, "
             f"{done} timed, {pruned} pruned",
         ])
+
+
+def _percent(fraction: float | None) -> str:
+    return f"{100 * (fraction or 0.0):.1f} %"
 
 
 def _pruner_base() -> type:
@@ -159,7 +177,8 @@ def _measurements(study: Any, by_label: dict[str, Candidate], first_now: int = 0
         value = t.value if t.state.name == "COMPLETE" else (
             t.intermediate_values[t.last_step] if t.last_step is not None else None)
         seconds = t.user_attrs.get("seconds_per_step")
-        result.append(Measurement(candidate, t.state.name, value, seconds, t.number, earlier_run=t.number < first_now))
+        result.append(Measurement(candidate, t.state.name, value, seconds, t.number, earlier_run=t.number < first_now,
+                                  spread=t.user_attrs.get("spread")))
     return result
 
 
@@ -279,6 +298,7 @@ def tune(
                 if first.state == states.FAIL:
                     raise _PlanOutOfMemory(first.user_attrs.get("error", f"out of memory (trial {first.number})"))
                 trial.set_user_attr("seconds_per_step", first.user_attrs.get("seconds_per_step"))
+                trial.set_user_attr("spread", first.user_attrs.get("spread"))
                 return float(first.value)
             if "model" not in models:
                 models["model"] = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
@@ -290,9 +310,10 @@ def tune(
                 if candidate != baseline and trial.should_prune():
                     raise optuna.TrialPruned(f"{rate:.1f} samples/s is below {prune_ratio:.0%} of the best")
 
+            swing: list[float] = []
             try:
                 rate, seconds = time_plan(variant, models["model"], backend, candidate.plan,
-                                          steps=timed_steps, on_step=report)
+                                          steps=timed_steps, on_step=report, spread=swing)
             except Exception as exc:
                 if is_oom_error(exc):
                     message = oom_message(exc)
@@ -300,6 +321,7 @@ def tune(
                     raise _PlanOutOfMemory(message) from None
                 raise
             trial.set_user_attr("seconds_per_step", seconds)
+            trial.set_user_attr("spread", swing[0] if swing else None)
             return rate
 
         def callback(study: Any, frozen: Any) -> None:

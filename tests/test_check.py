@@ -402,7 +402,7 @@ def _suggested(fix: str) -> tuple[list[int], list[int]]:
 def test_every_global_batch_and_world_size_a_deepspeed_fix_proposes_passes_the_check(micro, accum):
     # `check --deepspeed` proposed 63 or 66 for micro 4 on 3 GPUs, where the file's micro batch needs a multiple of 12
     tried = 0
-    for target in (64, 100, 256):
+    for target in (64, 96, 100, 256):  # 96: micro 4 × accumulation 4 or 3 divides it
         for gpus in (3, 5, 6):
             ds = {k: v for k, v in (("train_batch_size", target), ("train_micro_batch_size_per_gpu", micro),
                                     ("gradient_accumulation_steps", accum)) if v is not None}

@@ -216,8 +216,11 @@ def _fix_pinned(target: int, micro: int | None, accum: int | None, topo: tuple[i
         near = f"{below} or {above}" if below >= step else f"{above}"
         fix = f"use a global batch of {near} (a multiple of {pinned} × {world} GPUs = {step})"
     if target % per_rank == 0:
-        ranks = [d for d in range(1, min(target // per_rank, 4096) + 1)
-                 if (target // per_rank) % d == 0 and d != world and (micro is not None or target // per_rank // d >= min_micro)]
+        if micro is not None and accum is not None:  # both set: one world size multiplies them into target
+            ranks = [target // per_rank] if target // per_rank != world else []
+        else:
+            ranks = [d for d in range(1, min(target // per_rank, 4096) + 1) if (target // per_rank) % d == 0
+                     and d != world and (micro is not None or target // per_rank // d >= min_micro)]
         if ranks:
             shown = ", ".join(map(str, ranks[:8])) + (", …" if len(ranks) > 8 else "")
             fix += f", or {target} on a world size of {shown}"

@@ -30,7 +30,7 @@ from .hf_models import ATTENTION, hf_model, image_batches, import_transformers, 
 from .probing.samples import default_seq_len, takes_seq_len
 from .probing.workload import Workload, default_loss, weights_in
 
-__all__ = ["ModelSource", "BUILTIN_MODELS", "MAX_SAMPLE_ELEMENTS", "load_model", "load_layers", "list_models", "count_parameters"]
+__all__ = ["ModelSource", "BUILTIN_MODELS", "MAX_SAMPLE_ELEMENTS", "load_model", "load_layers", "layers_and_length", "list_models", "count_parameters"]
 
 MAX_SAMPLE_ELEMENTS = 2**40  # one sample past this holds more than any GPU: a typo, not a shape
 
@@ -247,10 +247,22 @@ def load_layers(spec: str, *, trust_remote_code: bool = False) -> torch.nn.Modul
         >>> type(load_layers("tiny-cnn")[1]).__name__
         'BatchNorm2d'
     """
+    return layers_and_length(spec, trust_remote_code=trust_remote_code)[0]
+
+
+def layers_and_length(spec: str, *, trust_remote_code: bool = False) -> tuple[torch.nn.Module, int | None]:
+    """:func:`load_layers`, and the length ``find`` trains the model at when no ``seq_len`` is given
+    (``None`` where it takes none, or where the user's own code builds its batches).
+
+    Example:
+        >>> layers_and_length("tiny-gpt2")[1], layers_and_length("tiny-cnn")[1]
+        (64, None)
+    """
     with torch.device("meta"):  # only the layers matter: no weights in memory, even for gpt2-xl
         if ":" in spec and not spec.startswith("hf:"):
-            return _user_model(spec)[0]
-        return load_model(spec, trust_remote_code=trust_remote_code).model
+            return _user_model(spec)[0], None
+        source = load_model(spec, trust_remote_code=trust_remote_code)
+        return source.model, source.seq_len
 
 
 def load_model(

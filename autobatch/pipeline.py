@@ -10,17 +10,18 @@ from typing import Any
 
 import torch
 
-from .errors import AutobatchError, option
+from .errors import AutobatchError, NoBatchFitsError, option
 from .estimating.background import TracedBeside, beside, between
 from .estimating.prior import GuardedPrior, try_trace_prior
 from .planning.plan import Plan
 from .planning.solver import solve
 from .probing.backends import MemoryBackend
-from .probing.probe import DEFAULT_HEADROOM, ProbeResult, for_data_parallel, make_backend
+from .probing.probe import DEFAULT_HEADROOM, NOTHING_FITS_FIX, ProbeResult, for_data_parallel, make_backend
 from .probing.search import NoTrace
 from .probing.trial import Trial
 from .probing.workload import Workload
 from .strategy import Strategy, parse_strategy
+from .units import format_bytes
 
 __all__ = ["Finding", "booked_as", "data_parallel_ranks", "trace_prior_for", "find_plan", "plan_from_probe", "plan_summary",
            "probe_worker", "probed_strategy", "local_gpu_count", "sharded_trace_prior", "launched_prior",
@@ -93,6 +94,12 @@ def plan_from_probe(
     than one data-parallel rank, a probe of one bare device leaves room for DDP's gradient
     buckets first (:func:`~autobatch.probing.probe.for_data_parallel`).
     """
+    if result.max_batch < result.min_batch:  # a length table's row where nothing fit: the probe's own error
+        reached = max((t.reserved_bytes for t in result.trials), default=None)
+        raise NoBatchFitsError(
+            f"even a batch of {result.min_batch} runs out of memory on {result.device.name} (capacity "
+            f"{format_bytes(result.capacity_bytes)}{'' if reached is None else ', reached ' + format_bytes(reached)}); "
+            f"{NOTHING_FITS_FIX}")
     result = for_data_parallel(result, data_parallel_ranks(gpus_per_node, nodes, model_parallel))
     if result.safe_batch < result.min_batch:
         raise AutobatchError(

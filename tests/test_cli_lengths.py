@@ -143,3 +143,41 @@ def test_an_estimated_table_names_its_dtype_as_the_one_length_estimate_does():
 
     request = autobatch.Request(model=MODEL, seq_len=(64, 128), gpu_memory="1GiB", dtype="bf16-true", estimate=True)
     assert {row.train.dtype for row in autobatch.answer(request).lengths.rows} == {"bf16-true"}
+
+
+def test_check_with_a_model_and_no_length_compares_at_the_length_find_took():
+    # `check --model tiny-gpt2` without --seq-len said OK to a micro batch of 32 where find fitted 8 at its own 64 tokens
+    other = run("find", "--model", "tiny-gpt2", "--seq-len", "32", "--device", "cpu", "--memory", "8MiB")
+    assert other.exit_code == 0, other.output
+    # probed at another length only: the job may train there, so that is a note, not a problem
+    elsewhere = run("check", "--model", "tiny-gpt2", "--micro-batch", "1000")
+    assert elsewhere.exit_code == 0, elsewhere.output
+    assert "no --seq-len given: compared at the model's own length 64, where no probe is cached" in elsewhere.stdout
+    found = run("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--json")
+    assert found.exit_code == 0, found.output
+    fitted = json.loads(found.stdout)["max_batch"]
+    stated = run("check", "--model", "tiny-gpt2", "--seq-len", "64", "--micro-batch", str(fitted + 1), "--json")
+    unstated = run("check", "--model", "tiny-gpt2", "--micro-batch", str(fitted + 1), "--json")
+    for result in (stated, unstated):
+        assert result.exit_code == 1 and [p["code"] for p in json.loads(result.stdout)["problems"]] == ["over-probed-max"]
+    assert run("check", "--model", "tiny-gpt2", "--micro-batch", str(fitted)).exit_code == 0
+    bare = run("check", "--model", "tiny-cnn", "--micro-batch", "4")
+    assert bare.exit_code == 0 and "probe" not in bare.stdout  # a model with no length: nothing to compare, nothing said
+
+
+def test_a_length_where_nothing_fits_is_nothing_fits_and_is_not_cached():
+    import os
+
+    import autobatch
+
+    # with --eval (a one-length table) or several lengths, "nothing fits" read as "lower --headroom", and a
+    # max_batch=0 entry was cached, which check then listed as a probe
+    for args in (["--eval"], ["--seq-len", "32,64"]):
+        result = run("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "600KiB", "--target", "64", *args)
+        assert result.exit_code == 2, result.output  # as the one-length probe's error exits
+        assert "even a batch of 1 runs out of memory on cpu (simulated 600 KiB)" in result.stderr
+        assert "headroom" not in result.stderr
+    cache = os.environ["AUTOBATCH_CACHE_DIR"]
+    assert not any(name.endswith(".json") for _, _, names in os.walk(cache) for name in names)
+    with pytest.raises(autobatch.NoBatchFitsError):
+        autobatch.answer(autobatch.Request(model="tiny-gpt2", device="cpu", memory="600KiB", evaluation=True))

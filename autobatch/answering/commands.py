@@ -41,11 +41,12 @@ def check(*, model: str | torch.nn.Module | None = None, seq_len: int | None = N
         from ..strategy import parse_strategies
 
         parse_strategies(strategy)
-    module = model
+    module, stated = model, seq_len is not None
     if isinstance(model, str):
-        from ..models import load_layers
+        from ..models import layers_and_length
 
-        module = load_layers(model, trust_remote_code=trust_remote_code)
+        module, own_length = layers_and_length(model, trust_remote_code=trust_remote_code)
+        seq_len = own_length if seq_len is None else seq_len  # find's length where none is given, as find takes it
     probed = None
     if seq_len is not None:
         if module is None:
@@ -54,7 +55,8 @@ def check(*, model: str | torch.nn.Module | None = None, seq_len: int | None = N
         from ..tuning.probed import probed_lengths
 
         probed = probed_lengths(module)
-    return check_setup(**setup, model=module, seq_len=seq_len, probed=probed, probed_strategy=strategy)
+    return check_setup(**setup, model=module, seq_len=seq_len, probed=probed, probed_strategy=strategy,
+                       seq_len_stated=stated)
 
 
 def tune_plans(request: Request, *, trials: int = 20, timed_steps: int = 3, checkpointing: Sequence[bool] | None = None,

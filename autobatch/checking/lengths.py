@@ -20,15 +20,23 @@ def _listing(probes: Sequence[Mapping[str, Any]]) -> str:
 
 
 def check_probed_length(c: _Collector, micro: int | None, seq_len: int | None,
-                        probes: Sequence[Mapping[str, Any]] | None) -> None:
-    """Add a problem when ``micro`` was never probed at ``seq_len`` (or longer), or exceeds what was."""
+                        probes: Sequence[Mapping[str, Any]] | None, stated: bool = True) -> None:
+    """Add a problem when ``micro`` was never probed at ``seq_len`` (or longer), or exceeds what was.
+    ``stated=False``: ``seq_len`` is the model's own length, not the user's, so probes at other lengths
+    only are a note (the job may train at one of them)."""
     if seq_len is None or probes is None:
+        return
+    if not stated and probes and all(p["seq_len"] != seq_len for p in probes):
+        c.note(f"no --seq-len given: compared at the model's own length {seq_len}, where no probe is cached "
+               f"({_listing(probes)}); pass --seq-len with the length you train at to compare there")
         return
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         c.add("invalid-value", f"seq_len must be a positive integer, but got seq_len={seq_len!r}",
               "set --seq-len to the longest sequence you train on", seq_len=seq_len)
         return
     if not probes:
+        if not stated:  # the length was not asked about: nothing cached is nothing to say
+            return
         c.note(f"no cached probe of this model: nothing to compare at seq_len {seq_len} "
                f"(run autobatch find --model … --seq-len {seq_len})")
         return

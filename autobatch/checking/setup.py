@@ -75,6 +75,7 @@ def check_setup(
     seq_len: int | None = None,
     probed: Sequence[Mapping[str, Any]] | None = None,
     probed_strategy: str | Strategy | None = None,
+    seq_len_stated: bool = True,
 ) -> CheckResult:
     """Find every batch-size problem in a proposed setup, before launch.
 
@@ -98,6 +99,8 @@ def check_setup(
         seq_len: The longest sequence the setup trains on; with ``probed`` (the model's cached
             probes, ``[{"seq_len", "max_batch", "safe_batch", "device"}, …]``) a micro batch
             never probed at this length, or above its probed max, is a problem.
+        seq_len_stated: False where ``seq_len`` is the model's own length rather than the user's: probes
+            at other lengths only are then a note, not a problem.
         probed_strategy: The strategy the micro batch was probed under (``find --strategy``); a
             DeepSpeed stage or accelerate plugin that trains otherwise is a problem.
 
@@ -119,7 +122,7 @@ def check_setup(
     flag_gpus = c.positive_int("gpus_per_node", gpus_per_node)
     flag_nodes = c.positive_int("nodes", nodes)
     mp = c.positive_int("model_parallel", model_parallel)
-    check_probed_length(c, given.micro, seq_len, probed)
+    check_probed_length(c, given.micro, seq_len, probed, seq_len_stated)
 
     layers: tuple[str, ...] = ("BatchNorm",) if batchnorm else ()
     if model is not None:

@@ -117,8 +117,9 @@ def check_command(
     """Report every batch-size problem in a setup before launch, each with its fix. Exit 1 if any.
 
     --input-shape and --num-classes are accepted so the model flags of `find` can be passed as they
-    are; only the layers matter here, so no input is built. --seq-len with --model says when the
-    micro batch was never probed at that length (from the probes `find` cached for the model)."""
+    are; only the layers matter here, so no input is built. --model says when the micro batch was
+    never probed at --seq-len, or is above the batch probed there (from the probes `find` cached for
+    the model); without --seq-len, at the length `find` takes for the model."""
     import json
 
     from .. import check

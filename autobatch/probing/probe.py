@@ -22,7 +22,7 @@ from .search import NoTrace, SearchOutcome, fit_line, predict_batch, search_max
 from .trial import Trial, run_trial
 from .workload import Workload
 
-__all__ = ["probe", "result_from_search", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM",
+__all__ = ["probe", "result_from_search", "make_backend", "resolve_headroom", "summarise", "MemorySummary", "phase_points", "DEFAULT_HEADROOM", "NOTHING_FITS_FIX",
            "weights_error", "for_data_parallel", "training_trial", "prior_report", "NO_PRIOR"]
 
 DEFAULT_HEADROOM = 0.05  # of the device's capacity, kept free for fragmentation and other tenants
@@ -116,6 +116,11 @@ def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exceptio
         f"{'. '.join(str(exc).splitlines()[0].split('. ')[:2])[:160]}; use bf16 weights, a smaller model, sharding (FSDP, ZeRO-3) "
         "or a larger device"
     )
+
+
+#: What frees memory when even the smallest batch runs out of it, said by every "nothing fits" error.
+NOTHING_FITS_FIX = ("use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, a smaller model "
+                    "or a larger device")
 
 
 def resolve_headroom(headroom: float | int | str, capacity: int) -> int:
@@ -274,7 +279,7 @@ def probe(
         backend.release()  # a full collection again, the model built here included
         return result_from_search(
             outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
-            workload=workload.name, fix="use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, a smaller model or a larger device",
+            workload=workload.name, fix=NOTHING_FITS_FIX,
             gradient_bytes=gradient_bytes, extra={**prior_report(prior), **batchnorm},
         )
 

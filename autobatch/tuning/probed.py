@@ -20,6 +20,7 @@ from ..probing.backends import MemoryBackend
 from ..probing.workload import Workload
 from .cache import CacheWarning, _probe_dir, _read, probe_result_from_dict, store
 from .fingerprint import fingerprint, model_signature
+from .entry import entry_problem
 
 __all__ = ["store_rows", "probed_lengths", "seq_len_of"]
 
@@ -35,6 +36,8 @@ def store_rows(table: Any, workload: Workload, backend: MemoryBackend, options: 
                 "min_batch": options.get("min_batch")}
     make_batch = workload.make_batch
     for row in table.rows:
+        if entry_problem(row.train) is not None:  # nothing fit at this length: no probe the cache would keep
+            continue
         at = replace(workload, make_batch=lambda b, s=row.seq_len: make_batch(b, s))
         try:
             store(fingerprint(at, backend.info(), settings=settings), row.train, root=root)
@@ -82,6 +85,8 @@ def probed_lengths(model: torch.nn.Module, *, root: Path | None = None) -> list[
             result = probe_result_from_dict(data["result"])
         except (KeyError, TypeError, ValueError, AttributeError):
             continue  # a malformed entry: the cache's own readers warn about it
+        if entry_problem(result) is not None:
+            continue  # one the cache ignores (and rebuilds) is no probe to compare with either
         if seq_len is not None:
             found.append({"seq_len": seq_len, "max_batch": result.max_batch, "safe_batch": result.safe_batch,
                           "device": result.device.name})

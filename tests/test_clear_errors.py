@@ -265,3 +265,28 @@ def test_an_error_raised_from_python_names_python_options_and_the_cli_its_flags(
     cli = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--headroom", "3MiB",
                  "--target", "8", "--no-cache")
     assert cli.exit_code == 2 and "no batch keeps the headroom" in cli.stderr and "lower --headroom" in cli.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_whose_peers_never_come_says_so_in_one_line_within_its_timeout(monkeypatch, rank):
+    # An sbatch script that runs autobatch outside srun (SLURM_NTASKS=2, one process): rank 0 waited
+    # its collectives' timeout plus a minute, then died with the store's traceback
+    import socket
+
+    import autobatch.cli._app as cli_app
+
+    monkeypatch.setattr(cli_app, "_GRACE_S", 0.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+                        "SLURM_NNODES": "1", "SLURM_JOB_ID": "777", "SLURM_JOB_NAME": "train.sh",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    said = invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--timeout", "1")
+    assert said.exit_code == 2, said.output
+    line = said.stderr.strip().splitlines()[-1]
+    assert f"the job's 2 ranks must meet at 127.0.0.1:{port}, but they did not all come within --timeout 1 s" in line
+    assert "`srun autobatch …` in the batch script" in line and "Traceback" not in said.stderr

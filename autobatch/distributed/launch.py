@@ -104,11 +104,19 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
     backend = backend or _default_backend()
     if backend == "nccl":
         torch.cuda.set_device(rank_gpu(env))
-    # The rendezvous named outright: srun and mpirun set no RANK/WORLD_SIZE for env:// to read.
-    dist.init_process_group(
-        backend, init_method=f"tcp://{_host(addr)}:{port}", rank=env.rank, world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s + _WATCHDOG_MARGIN_S),
-    )
+    # The rendezvous named outright (srun and mpirun set no RANK/WORLD_SIZE for env:// to read), and
+    # waited for as long as --timeout says: init_process_group would wait its collectives' longer timeout,
+    # then raise the store's traceback.
+    timeout = timedelta(seconds=timeout_s + _WATCHDOG_MARGIN_S)
+    try:
+        store, _, _ = next(dist.rendezvous(f"tcp://{_host(addr)}:{port}", env.rank, env.world_size,
+                                           timeout=timedelta(seconds=timeout_s)))
+    except (RuntimeError, ValueError) as exc:  # DistStoreError: the others never came, or no one listens there
+        raise AutobatchError(_not_joined(env, addr, port, timeout_s, exc)) from None
+    store.set_timeout(timeout)
+    # as init_process_group keeps its own rendezvous's store: keys of its own, apart from other users of the store
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
     failed = True
     try:
         yield env
@@ -132,6 +140,20 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
             leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
             leaving.start()
             leaving.join(_DESTROY_WAIT_S)
+
+
+def _not_joined(env: RankEnv, addr: str, port: Any, timeout_s: float, exc: Exception) -> str:
+    """The one line for a rendezvous the other ranks never reached within ``timeout_s``."""
+    first = (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__).rstrip(".")
+    joined = re.search(r"(\d+)/(\d+) clients joined", first)
+    seen = f" ({joined.group(1)} of {joined.group(2)} joined)" if joined else ""
+    where = {"slurm": "run it as a task of the job step (`srun autobatch …` in the batch script: the batch script "
+                      "itself is one process, whatever SLURM_NTASKS says)",
+             "mpirun": "start every rank with mpirun -np N"}.get(env.launcher or "", "start every rank with the "
+                                                                              "same launcher command")
+    return (f"the job's {env.world_size} ranks must meet at {addr}:{port}, but they did not all come within "
+            f"{errors.assigned('timeout', f'{timeout_s:g}')} s{seen}: {first}; {where}, or raise "
+            f"{errors.option('timeout')} where ranks start slowly")
 
 
 def _host(addr: str) -> str:

@@ -290,3 +290,32 @@ def test_a_rank_whose_peers_never_come_says_so_in_one_line_within_its_timeout(mo
     line = said.stderr.strip().splitlines()[-1]
     assert f"the job's 2 ranks must meet at 127.0.0.1:{port}, but they did not all come within --timeout 1 s" in line
     assert "`srun autobatch …` in the batch script" in line and "Traceback" not in said.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--gpus", "4", "--nodes", "2"], "--gpus 4 and --nodes 2 asks for another world; drop --gpus and --nodes"),
+    (["--gpus", "4"], "--gpus 4 asks for another world; drop --gpus,"),
+    (["--nodes", "4"], "--nodes 4 asks for another world; drop --nodes,"),
+])
+def test_under_a_launcher_gpus_or_nodes_other_than_its_own_are_refused(monkeypatch, args, said):
+    # torchrun --nproc-per-node 2 … find --gpus 4 --nodes 2 planned 8 GPUs in every file, with no word
+    _as_rank(monkeypatch, 0)
+    result = invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--target", "64", *args)
+    assert result.exit_code == 2, result.output
+    assert "under torchrun the plan is for the ranks it started, 2 per node × 1 node, but " + said in result.stderr
+    from autobatch import Request, RequestError, answer
+
+    with pytest.raises(RequestError, match="gpus_per_node=4 asks for another world; drop gpus_per_node"):
+        answer(Request(model="tiny-gpt2", device="cpu", memory="8MiB", gpus_per_node=4))
+
+
+def test_under_a_launcher_its_own_gpus_and_nodes_may_be_said_again(monkeypatch):
+    _as_rank(monkeypatch, 0)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    result = invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--gpus", "2", "--nodes", "1",
+                    "--timeout", "1")
+    assert "must meet at" in result.stderr and "another world" not in result.stderr  # on to the rendezvous

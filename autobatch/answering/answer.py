@@ -14,7 +14,7 @@ import torch
 
 from ..configs import write_plan_configs
 from ..distributed.zero import BUCKET_KEYS
-from ..errors import AutobatchError, RequestError
+from ..errors import AutobatchError, RequestError, assigned, option
 from ..modelinfo import per_gpu_statistics
 from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
 from ..planning.plan import Plan, TrainedWith
@@ -265,6 +265,7 @@ def _launched(request: Request) -> Report:
     from ..distributed.lockstep import probe_distributed
 
     env = rank_env()
+    _same_world(request, env)
     memory = request.memory_of(env.rank)  # simulated mixed GPUs: rank r takes the r-th budget
     here = f"cuda:{rank_gpu(env)}" if torch.cuda.device_count() else "cuda"  # this rank's GPU
     backend = make_backend(request.device or (here if memory is None else "cpu"), memory)
@@ -292,6 +293,22 @@ def _launched(request: Request) -> Report:
         uniform_safe=for_data_parallel(agreed, env.world_size).safe_batch)
     finding = Finding(agreed, plan, ranks_report=str(result), strategy=strategy)
     return Report(request, plan, rows=(finding,), device=agreed.device, main_rank=is_main_process(), uneven=uneven)
+
+
+def _same_world(request: Request, env: Any) -> None:
+    """Under a launcher the plan is for the ranks it started: GPUs per node or nodes asked otherwise are
+    refused before anything runs (they replaced the launcher's, silently, in every file written). An
+    explicit one node is the default, which the launcher's count replaces."""
+    asked = {name: value for name, value, theirs in (("gpus_per_node", request.gpus_per_node, env.local_world_size),
+                                                     ("nodes", request.nodes, env.nodes))
+             if value is not None and value != theirs and not (name == "nodes" and value == 1)}
+    if asked:
+        given = " and ".join(assigned(name, value) for name, value in asked.items())
+        raise RequestError([
+            f"under {env.launcher} the plan is for the ranks it started, {env.local_world_size} per node × {env.nodes} "
+            f"node{'s' if env.nodes != 1 else ''}, but {given} asks for another world; drop "
+            f"{' and '.join(option(name) for name in asked)}, or plan that world from this one's safe batch with "
+            f"`autobatch solve --max-micro SAFE` and its own {option('gpus_per_node')} and {option('nodes')}"])
 
 
 _RENAMED = {"max_batch": "max_micro", "use_trace_prior": "trace_prior", "use_cache": "cache"}

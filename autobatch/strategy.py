@@ -126,13 +126,20 @@ class Strategy:
 def parse_strategy(name: str | Strategy, offload: str | None = None, unit: str | None = None) -> Strategy:
     """A :class:`Strategy` from its name (``"zero3"``; case and ``zero-3``/``fsdp`` spellings accepted).
 
+    A label as :attr:`Strategy.label` writes it (``"zero3+offload-optimizer"``) reads back as that strategy.
+
     Example:
         >>> parse_strategy("ZeRO-3", offload="optimizer").label
         'zero3+offload-optimizer'
+        >>> parse_strategy("zero2+offload-optimizer") == Strategy("zero2", offload="optimizer")
+        True
     """
     if isinstance(name, Strategy):
         return name
-    key = str(name).strip().lower().replace("-", "").replace("_", "")
+    text = str(name).strip().lower()
+    if "+offload-" in text and offload is None:
+        text, _, offload = text.partition("+offload-")
+    key = text.replace("-", "").replace("_", "")
     key = {"fsdp": "fsdp2", "fullyshard": "fsdp2", "stage1": "zero1", "stage2": "zero2", "stage3": "zero3"}.get(key, key)
     offload = None if offload in (None, "none", "") else offload
     return Strategy(key, offload=offload, unit=unit)

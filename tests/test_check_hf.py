@@ -142,3 +142,27 @@ def test_fsdp_without_a_version_is_read_as_the_installed_transformers_reads_it()
     default = "fsdp2" if int(transformers.__version__.split(".")[0]) >= 5 else "fsdp1"
     for fsdp in ("full_shard auto_wrap", True):
         assert check_setup(gpus_per_node=2, hf={"fsdp": fsdp}, probed_strategy=default).ok
+
+
+@pytest.mark.parametrize("strategy, offload", [("zero1", "optimizer"), ("zero2", "optimizer"), ("zero3", "optimizer"),
+                                               ("zero3", "params"), ("fsdp1", "params"), ("fsdp2", "params")])
+def test_every_file_solve_writes_with_offload_passes_check_with_it(strategy, offload, tmp_path):
+    # the files of `solve --offload` failed every check: check took no --offload, and the label it printed
+    # (zero2+offload-optimizer) was refused as a --strategy
+    files = {"--hf": tmp_path / "args.json", "--accelerate": tmp_path / "acc.yaml"}
+    if "zero" in strategy:
+        files["--deepspeed"] = tmp_path / "ds.json"
+    flags = [part for flag, path in files.items() for part in (flag, str(path))]
+    topology = ["--target", "96", "--gpus", "4", "--nodes", "2"]
+    solved = invoke("solve", *topology, "--max-micro", "5", "--strategy", strategy, "--offload", offload, *flags)
+    assert solved.exit_code == 0, solved.output
+    for flag, path in files.items():
+        for said in (["--strategy", strategy, "--offload", offload], ["--strategy", f"{strategy}+offload-{offload}"]):
+            same = invoke("check", *topology, *said, flag, str(path), "--json")
+            assert same.exit_code == 0, (flag, said, same.output)
+        # probed without the offload, the file keeps less on each GPU: it fits, which a note says
+        less = invoke("check", *topology, "--strategy", strategy, flag, str(path), "--json")
+        assert less.exit_code == 0, (flag, less.output)
+        assert any("keeps less state on each GPU" in n for n in json.loads(less.stdout)["notes"]), flag
+    lone = invoke("check", "--offload", "optimizer", "--target", "96")
+    assert lone.exit_code == 2 and "--offload on check says how the micro batch was probed, with --strategy" in lone.stderr

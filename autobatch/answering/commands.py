@@ -25,22 +25,27 @@ __all__ = ["CacheListing", "check", "tune_plans", "cache_listing", "clear_cache"
 
 
 def check(*, model: str | torch.nn.Module | None = None, seq_len: int | None = None, trust_remote_code: bool = False,
-          strategy: str | None = None, **setup: Any) -> CheckResult:
+          strategy: str | None = None, offload: str | None = None, **setup: Any) -> CheckResult:
     """Every batch-size problem of a setup, before launch: :func:`~autobatch.check_setup` (``setup``
     takes its keywords: ``target``, ``micro_batch``, ``grad_accum``, ``gpus_per_node``, ``nodes``,
     ``model_parallel``, ``deepspeed``, ``accelerate``, ``hf``, ``batchnorm``) with a model named as
     ``--model`` names it (only its layers are built, on the meta device), and the lengths ``find``
-    probed it at (from the cache) to compare ``seq_len`` with.
+    probed it at (from the cache) to compare ``seq_len`` with. ``strategy`` and ``offload``: how the
+    micro batch was probed (``find --strategy zero3 --offload optimizer``), which the configs must match.
 
     Example:
         >>> import autobatch
         >>> autobatch.check(target=224, micro_batch=7, grad_accum=2, gpus_per_node=16).ok
         True
     """
+    if offload is not None and strategy is None:
+        raise RequestError([f"{option('offload')} on check says how the micro batch was probed, with "
+                            f"{option('strategy')}; add {option('strategy')} (e.g. zero3)"])
     if strategy is not None:  # a misspelt name is refused before anything is read
-        from ..strategy import parse_strategies
+        from ..strategy import parse_strategies, parse_strategy
 
         parse_strategies(strategy)
+        strategy = parse_strategy(strategy, offload)  # as find probed it: --strategy zero3 --offload optimizer
     module, stated = model, seq_len is not None
     if isinstance(model, str):
         from ..models import layers_and_length

@@ -61,6 +61,11 @@ def check_strategy(c: _Collector, probed: str | Strategy, reads: list[Read]) -> 
             continue
         sharded = (_KEEPS[configured.name], _OFFLOADS[configured.offload])
         probed_as = (_KEEPS[probed.name], _OFFLOADS[probed.offload])
+        if configured.name == probed.name and sharded > probed_as:  # the same wrapper, more on the host: it fits
+            c.note(f"{label} trains with {configured.label}, which keeps less state on each GPU than {probed.label}, "
+                   f"as the micro batch was probed: it fits, and a larger one may (find --strategy {configured.name} "
+                   f"--offload {configured.offload})")
+            continue
         keeps = ("keeps more state on each GPU: the micro batch may run out of memory" if sharded < probed_as else
                  "keeps less state on each GPU: a larger micro batch may fit" if sharded > probed_as else
                  "shards as much but holds it otherwise (its buffers, its gathers): its peak is not the probe's")

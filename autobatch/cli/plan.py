@@ -112,6 +112,7 @@ def check_command(
         None, "--strategy", rich_help_panel="Plan",
         help="The strategy the micro batch was probed under (find --strategy); checked against the configs' stage.",
     ),
+    offload: OffloadOption = None,
     as_json: AsJson = False,
 ) -> None:
     """Report every batch-size problem in a setup before launch, each with its fix. Exit 1 if any.
@@ -126,7 +127,8 @@ def check_command(
 
     result = check(target=target, micro_batch=micro_batch, grad_accum=grad_accum, gpus_per_node=gpus, nodes=nodes,
                    model_parallel=model_parallel, deepspeed=deepspeed, accelerate=accelerate, hf=hf, batchnorm=batchnorm,
-                   model=model, seq_len=seq_len, trust_remote_code=trust_remote_code, strategy=strategy)
+                   model=model, seq_len=seq_len, trust_remote_code=trust_remote_code, strategy=strategy,
+                   offload=offload)
     typer.echo(json.dumps(result.to_dict(), indent=2, ensure_ascii=False) if as_json else result.report())
     if not result.ok:
         raise typer.Exit(1)

@@ -201,3 +201,20 @@ def test_no_workspace_and_no_cuda_context_are_sizes_too():
     assert bad.exit_code == 2 and "--gpu-memory must be a positive size" in bad.stderr, bad.output
     bad = runner.invoke(app, ["estimate", "--model", "tiny-mlp", "--gpu", "t4", "--headroom", "100GiB"])
     assert bad.exit_code == 2 and "smaller than the device capacity" in bad.stderr and "e.g. --headroom 0.05" in bad.stderr
+
+
+@pytest.mark.parametrize("seq_len, gpu", [(512, "a100-80gb"), (128, "a10g")])
+def test_the_safe_batch_rests_on_adjacent_reads_of_the_booked_curve(seq_len, gpu):
+    # gpt2 at 512 tokens on an a100-80gb answered safe 79 from a line through the trials, where the booking at
+    # 80 kept the headroom (and --max-micro 80, which traced it, answered 80)
+    from autobatch.estimating.estimate import load_fake_model
+
+    result = estimate(load_fake_model("gpt2", seq_len=seq_len).to_workload(), gpu)
+    limit = result.capacity_bytes - result.headroom_bytes
+    read = {t.batch: t for t in result.trials}
+    assert result.safe_batch in read and read[result.safe_batch].reserved_bytes <= limit
+    if result.safe_batch < result.max_batch:
+        assert read[result.safe_batch + 1].reserved_bytes > limit
+    assert result.extra["traced_once_for"] == [t.batch for t in result.trials]  # every one a read off the one trace
+    if seq_len == 512:
+        assert result.safe_batch == 80

@@ -32,7 +32,7 @@ import torch
 from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import batchnorm_record, min_batch_for, require_materialized
 from ..probing.preserve import enable_checkpointing
-from ..probing.probe import DEFAULT_HEADROOM, resolve_headroom, summarise
+from ..probing.probe import DEFAULT_HEADROOM, NOTHING_FITS_FIX, resolve_headroom, summarise
 from ..probing.progress import working
 from ..probing.result import BatchResult, not_led
 from ..probing.search import search_max
@@ -352,12 +352,13 @@ def estimate(
     outcome = replace(outcome, trials=start + outcome.trials)
     if outcome.max_batch == 0:
         first = outcome.trials[0]
-        raise NoBatchFitsError(
-            f"estimate: even a batch of {min_batch} needs about {format_bytes(first.reserved_bytes)} on {spec.name} "
-            f"(usable {format_bytes(capacity)}); use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, "
-            "a smaller model or a larger GPU"
-        )
-    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
+        raise NoBatchFitsError(f"estimate: even a batch of {min_batch} needs about {format_bytes(first.reserved_bytes)} "
+                               f"on {spec.name} (usable {format_bytes(capacity)}); {NOTHING_FITS_FIX}")
+    limit = capacity - headroom_bytes
+    if curve is not None and booked:  # every batch is a read off the curve: the safe one too
+        outcome = replace(outcome, trials=outcome.trials + _reads_to_the_safe_batch(
+            run, outcome.trials, limit, min_batch, outcome.max_batch, curve.answers))
+    summary = summarise(outcome.trials, outcome.max_batch, limit)
     return Estimate(
         max_batch=outcome.max_batch,
         safe_batch=summary.safe_batch,
@@ -379,3 +380,20 @@ def estimate(
                # the batches read off the one symbolic trace; the others were traced at their size
                "traced_once_for": answered, **batchnorm_record(model)},
     )
+
+
+def _reads_to_the_safe_batch(read: Callable[[int], Trial], trials: tuple[Trial, ...], limit: int, min_batch: int,
+                             max_batch: int, answers: Callable[[int], bool]) -> tuple[Trial, ...]:
+    """The batches read off the curve, by bisection, between the largest trial that keeps ``limit`` and
+    the smallest that does not: the safe batch rests on adjacent reads, not a line's guess (a batch low)."""
+    def keeps(trial: Trial) -> bool:
+        return trial.fits and not trial.alloc_retries and trial.reserved_bytes <= limit
+
+    low = max([min_batch - 1] + [t.batch for t in trials if keeps(t)])
+    high = min([max_batch + 1] + [t.batch for t in trials if t.batch > low and not keeps(t)])
+    more: list[Trial] = []
+    while high - low > 1 and answers((low + high) // 2):
+        trial = read((low + high) // 2)
+        more.append(trial)
+        low, high = (trial.batch, high) if keeps(trial) else (low, trial.batch)
+    return tuple(more)

@@ -493,3 +493,14 @@ def test_fp16_and_bf16_both_enabled_is_deepspeeds_start_up_assertion(fp16, bf16,
     assert ("deepspeed-precision" in codes(result)) is bad
     if bad:
         assert "'bfloat16 and fp16 modes cannot be simultaneously enabled'" in result.problems[0].message
+
+
+def test_an_accelerate_topology_that_does_not_add_up_gives_no_world_to_check_the_batch_on():
+    # num_processes 7 on 2 machines: check then assumed 1 GPU per node and proposed a global batch for 2 GPUs
+    acc = {"num_processes": 7, "num_machines": 2}
+    alone = check_setup(target=96, micro_batch=4, grad_accum=3, accelerate=acc)
+    assert codes(alone) == ["accelerate-topology"] and not any("assumed 1 GPU" in n for n in alone.notes)
+    flagged = check_setup(target=96, micro_batch=4, grad_accum=3, gpus_per_node=4, accelerate=acc)
+    assert codes(flagged) == ["accelerate-topology"]  # 4 per node × 2 machines: 96 = 4 × 3 × 8 holds
+    wrong = check_setup(target=96, micro_batch=4, grad_accum=4, gpus_per_node=4, accelerate=acc)
+    assert codes(wrong) == ["accelerate-topology", "batch-identity"]

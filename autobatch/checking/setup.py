@@ -139,7 +139,9 @@ def check_setup(
         acc_gpus, acc_nodes = _accelerate_topology(c, *acc_loaded)
     gpus = flag_gpus or acc_gpus
     node_count = flag_nodes or acc_nodes
-    if gpus is None and gpus_per_node is None:
+    # an accelerate topology that does not add up gives no world to do the batch's arithmetic on
+    unknown = gpus is None and any(p.code == "accelerate-topology" for p in c.problems)
+    if gpus is None and gpus_per_node is None and not unknown:
         c.note("no GPU count given: assumed 1 GPU per node")
     gpus, node_count = gpus or 1, node_count or 1
     if acc_loaded is not None:
@@ -156,7 +158,7 @@ def check_setup(
                 )
 
     world = None
-    if mp is not None:
+    if mp is not None and not unknown:
         if (gpus * node_count) % mp:
             c.add(
                 "model-parallel",

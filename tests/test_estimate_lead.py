@@ -14,9 +14,12 @@ from autobatch.estimating import lead
 from autobatch.estimating.estimate import IS_THE_TRACE
 
 
-def rows(strategies: str) -> dict:
+def rows(strategies: str, fragmentation: float | None = 1.1) -> dict:
+    # A row leads the next where a multiplier takes the allocator (--fragmentation); booked (the default), each
+    # row's own first two trials lead it (tests/test_fresh_log.py)
     report = autobatch.answer(autobatch.Request(model="tiny-gpt2", gpu_memory="600MiB", gpus_per_node=4,
-                                                strategy=strategies, estimate=True, dtype="bf16"))
+                                                strategy=strategies, estimate=True, dtype="bf16",
+                                                fragmentation=fragmentation))
     return {row.strategy.name: row.probe for row in report.rows}
 
 

@@ -191,8 +191,10 @@ def test_zero2_in_low_precision_on_fake_tensors_steps_its_optimizer_as_real_step
 
 
 def test_a_sharded_estimate_takes_the_allocator_overheads_off_the_card_as_one_gpus_does() -> None:
-    # A traced step books exact tensor bytes; a GPU's allocator reserves ×1.10 of them and the libraries
-    # keep 64 MiB of workspaces. The sharded estimate's budget is what is left of the card's usable memory.
+    # A traced step books exact tensor bytes; a GPU's caching allocator reserves more (its rounding and
+    # cache), and the libraries keep 64 MiB of workspaces. By default each trial's requests are booked
+    # through the allocator's model on the card, after the workspaces, as one GPU's estimate books them;
+    # with --fragmentation a multiplier takes the allocator off the card instead.
     from autobatch import Overheads, Request, answer
     from autobatch.estimating.gpus import custom_gpu
 
@@ -201,12 +203,16 @@ def test_a_sharded_estimate_takes_the_allocator_overheads_off_the_card_as_one_gp
                               estimate=True, **overheads)).finding.probe
 
     usable = custom_gpu("600MiB").usable_bytes
-    result, bare = probe(), probe(fragmentation=1.0, workspace=1)  # one byte: the least a size may be
+    booked, multiplied, bare = probe(), probe(fragmentation=1.1), probe(fragmentation=1.0, workspace=1)
     budget = Overheads(fragmentation=1.10, workspace_bytes=64 << 20).allocatable(usable)
-    assert result.capacity_bytes == budget and bare.capacity_bytes == usable - 1
-    top = {t.batch: t for t in result.trials}
-    assert top[result.max_batch].reserved_bytes <= budget < top[result.max_batch + 1].reserved_bytes
-    assert result.max_batch < bare.max_batch
+    assert booked.capacity_bytes == usable and multiplied.capacity_bytes == budget
+    assert bare.capacity_bytes == usable - 1  # one byte: the least a size may be
+    top = {t.batch: t for t in booked.trials}
+    edge = top[booked.max_batch]
+    assert edge.peak_bytes <= edge.reserved_bytes <= usable and not top[booked.max_batch + 1].fits
+    top = {t.batch: t for t in multiplied.trials}
+    assert top[multiplied.max_batch].reserved_bytes <= budget < top[multiplied.max_batch + 1].reserved_bytes
+    assert max(booked.max_batch, multiplied.max_batch) < bare.max_batch
 
 
 class _Seen(torch.nn.Module):

@@ -50,8 +50,8 @@ class Report:
 
     @property
     def fragmentation(self) -> float:
-        """The reserved ÷ allocated ratio an estimate's sharded rows take (they book no requests):
-        ``--fragmentation`` where given, else the default."""
+        """The reserved ÷ allocated ratio taken where requests are not booked (``--fragmentation``, or
+        the length tables' default): ``--fragmentation`` where given, else the default."""
         from ..estimating.overheads import Overheads
 
         return Overheads(fragmentation=self.request.fragmentation).multiplier

@@ -92,12 +92,15 @@ def estimate_strategy_rows(request: Request, spec: Any, *, on_trial: Callable[[A
     from ..estimating.estimate import fake_model, load_fake_model
     from ..estimating.overheads import beside_the_context
     from ..estimating.fake_backends import _new_fake_mode, fake_backend
+    from ..estimating.fresh_log import FreshBooking
 
-    # No requests kept to book: the allocator's fragmentation (its multiplier) and the libraries'
-    # workspaces come off the card.
+    # Each trial's requests booked in a fresh run's order through the caching allocator's model on what the
+    # card leaves beside its context, after the workspaces (traced_trials.OneWrapper); with --fragmentation,
+    # its multiplier and the workspaces come off the card instead.
     overheads = estimate_overheads(request)
     beside = beside_the_context(spec, overheads)
-    usable = overheads.allocatable(beside)
+    booked = overheads.fragmentation is None
+    usable = beside - overheads.workspace_bytes if booked else overheads.allocatable(beside)
     if usable <= 0:
         raise AutobatchError(
             f"{spec.name} keeps {format_bytes(beside)} beside its CUDA context, which must "
@@ -114,12 +117,14 @@ def estimate_strategy_rows(request: Request, spec: Any, *, on_trial: Callable[[A
         # Offload: the GPU's tensors apart from the host's, where the engine moves the optimizer (and parameters)
         apart = chosen.offload is not None
         if apart not in backends:
-            backends[apart] = fake_backend(workload.model, usable, recomputed=workload.grad_checkpointing,
-                                           host_apart=apart)
+            backends[apart] = fake_backend(workload.model, beside if booked else usable,
+                                           recomputed=workload.grad_checkpointing, host_apart=apart)
+            backends[apart].booking = FreshBooking(backends[apart], beside, overheads.workspace_bytes) if booked else None
         return workload, backends[apart]
 
-    # The trials already run on fake tensors: a traced prior saves nothing.
-    return strategy_rows(request, setup, on_trial=on_trial, use_trace_prior=False, led=True)
+    # The trials already run on fake tensors: a traced prior saves nothing. Booked, each row's first two
+    # trials give its own curve (simulated_world._booked_lead), which another row's trials would not.
+    return strategy_rows(request, setup, on_trial=on_trial, use_trace_prior=False, led=not booked)
 
 
 def estimate_overheads(request: Request) -> Any:

@@ -108,7 +108,9 @@ def strategy_table(rows: Any) -> Any:
 def _estimated_for(report: Any) -> str:
     request, spec = report.request, report.gpu
     world = request.gpus_here() * request.nodes // request.model_parallel
-    tail = f"; ×{report.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it"
+    tail = (f"; each trial's requests, as a fresh run makes them, booked through the caching allocator's model "
+            f"after {request.workspace} of workspaces" if request.fragmentation is None else
+            f"; ×{report.fragmentation:g} fragmentation and {request.workspace} of workspaces taken off it")
     beside = report.beside_the_context  # the context --cuda-context sets, else the card's
     usable = (f"{format_bytes(beside)}, {format_bytes(spec.total_bytes)} less its "
               f"{format_bytes(spec.total_bytes - beside)} CUDA context")

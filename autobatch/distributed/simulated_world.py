@@ -12,7 +12,10 @@ budget, or the GPU it has. The answer is a :class:`~autobatch.probing.result.Pro
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +26,7 @@ from ..probing.backends import MemoryBackend
 from ..probing.heap import frozen_heap
 from ..probing.probe import DEFAULT_HEADROOM, prior_report, resolve_headroom, result_from_search
 from ..probing.result import ProbeResult
-from ..probing.search import SearchOutcome, search_max
+from ..probing.search import NoTrace, SearchOutcome, search_max
 from ..probing.trial import Trial
 from ..probing.workload import Workload
 from ..strategy import Strategy, parse_strategy
@@ -145,7 +148,13 @@ def probe_sharded(
     with off_the_gpu(template):
         # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
         with frozen_heap(), fake_process_group(world_size), trials() as trial:
-            outcome = search_max(runner(0, trial), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior)
+            known: tuple[Trial, ...] = ()
+            if (prior is None or isinstance(prior, NoTrace)) and getattr(trial, "booking", None) is not None:
+                # booked on fake tensors: the first two trials give every batch's requests, a curve that leads
+                known, prior = _booked_lead(runner(0, trial), trial, min_batch, max_batch)
+            outcome = search_max(runner(0, trial), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior,
+                                 known=known)
+            outcome = replace(outcome, trials=known + outcome.trials)
         # Ranks hold different shards where the partitions are uneven (ZeRO-1/2 pad and split the flat
         # buffer by rank, FSDP1 pads the last shard): the last rank plays the answer too, and where it
         # runs out of memory there, its own search goes on below it. The answer is the smaller one.
@@ -163,12 +172,45 @@ def probe_sharded(
     return result_from_search(
         outcome, backend, capacity=capacity, headroom_bytes=headroom_bytes, min_batch=min_batch,
         workload=workload.name, context=f"under {strategy.label} on {world_size} rank{'s' if world_size != 1 else ''}, ",
-        fix=_advice(strategy),
+        fix=_advice(strategy), curve=prior if isinstance(prior, _BookedCurve) and worst == 0 else None,
         extra={"sharding": {**sharding_report(strategy, world_size, breakdowns.get((worst, outcome.max_batch)),
                                               configs.get(outcome.max_batch)),
                             "ranks_played": played, "limiting_rank": worst}, **prior_report(prior),
                **batchnorm_record(template)},
     )
+
+
+class _BookedCurve:
+    """The reserved peak a fresh run books at any batch, its requests sized on the line through the first
+    two trials (:meth:`~.traced_trials.OneWrapper.curve`): the estimate's own trace, leading its search."""
+
+    def __init__(self, curve: Callable[[int], float], batches: list[int], seconds: float):
+        self.curve, self.batches, self.seconds = curve, batches, seconds
+        self.cache: dict[int, float] = {}
+
+    def __call__(self, batch: int) -> float:
+        if batch not in self.cache:
+            self.cache[batch] = self.curve(batch)
+        return self.cache[batch]
+
+    def report(self) -> dict[str, Any]:
+        return {"led": True, "reason": None, "traced_batches": self.batches, "seconds": self.seconds, "failure": None}
+
+
+def _booked_lead(run: Callable[[int], Trial], trials: Any, min_batch: int, max_batch: int | None
+                 ) -> tuple[tuple[Trial, ...], Callable[[int], float] | None]:
+    """The smallest batch and the next, whose requests give every batch's (:class:`_BookedCurve`); one more
+    where the second had to be traced afresh (its requests did not pair with the first's: a new reference),
+    none where a trial fails or the cap allows no more."""
+    started = time.perf_counter()
+    known = (run(min_batch),)
+    for batch in (min_batch + 1, min_batch + 2):
+        if not known[-1].fits or (max_batch is not None and batch > max_batch):
+            return known, None
+        known += (run(batch),)
+        if known[-1].fits and not math.isnan(trials.curve(batch)):
+            return known, _BookedCurve(trials.curve, [t.batch for t in known], time.perf_counter() - started)
+    return known, None
 
 
 def _advice(strategy: Strategy) -> str:

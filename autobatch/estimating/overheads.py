@@ -13,9 +13,10 @@ place less:
   (:func:`~autobatch.estimating.replay.book`): on an H200 (``docs/benchmarks/gpu.md``) that
   booked the reserved peaks the card measured within 0.1 % for gpt2 (fp32, bf16) and bert-base
   (where the card did not flush its cache), whose ratios to the allocated peaks were 1.11, 1.07
-  and 1.26, and answered 74, 93 and 349 where the card fit 74, 93 and 348. A number multiplies the
-  traced peak instead (the ratio 1.10, :data:`DEFAULT_FRAGMENTATION`, is what sharded estimates,
-  which keep no log, and length tables take).
+  and 1.26, and answered 74, 93 and 349 where the card fit 74, 93 and 348. Sharded estimates book
+  each trial's requests as a fresh run at its batch makes them (:mod:`autobatch.estimating.fresh_log`).
+  A number multiplies the traced peak instead (the ratio 1.10, :data:`DEFAULT_FRAGMENTATION`, is
+  what length tables, which keep no log, take).
 * **Library workspaces**: cuBLAS keeps a workspace per handle/stream (torch's default is
   ~8 MiB, 32 MiB on Hopper), cuBLASLt and cuDNN their own. ``workspace_bytes`` adds a flat
   64 MiB.
@@ -55,7 +56,7 @@ class Overheads:
     Args:
         fragmentation: reserved / allocated peak of the caching allocator (≥ 1); ``None`` (the
             default) books the traced requests through the allocator's model where a log is kept
-            (single-GPU estimates) and takes :data:`DEFAULT_FRAGMENTATION` where none is.
+            (one GPU's and sharded estimates) and takes :data:`DEFAULT_FRAGMENTATION` where none is.
         workspace_bytes: cuBLAS, cuBLASLt and cuDNN workspaces, added once.
         fused_attention: trace SDPA with a fused kernel (O(seq) memory, like flash attention on a
             GPU) instead of the CPU math path (O(seq²)).

@@ -66,9 +66,12 @@ class MemoryTracker(TorchDispatchMode):
         self._blocks: dict[int, Any] = {}  # token -> the allocator's block
         self._tokens = itertools.count()
         self._resize_saved: list[Any] = []  # UntypedStorage.resize_ as it was, per nested entry
+        # The op whose outputs are being counted (a log of requests keeps it: a request's kind at any batch)
+        self.making: Any = None
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that exist already (the model's parameters) as resident on the device."""
+        self.making = "resident"
         for tensor in tensors:
             self._register(tensor, check_budget=False)
 
@@ -81,6 +84,7 @@ class MemoryTracker(TorchDispatchMode):
 
         def resize_(storage: torch.UntypedStorage, size: int) -> Any:
             out = original(storage, size)
+            tracker.making = "resize_"
             tracker._account(storage, check_budget=True)
             return out
 
@@ -100,6 +104,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.making = func
         flat, _ = tree_flatten(out)
         for item in flat:
             if isinstance(item, torch.Tensor):

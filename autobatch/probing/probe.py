@@ -159,10 +159,12 @@ class MemorySummary:
     fixed_bytes: float | None
 
 
-def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: int) -> MemorySummary:
+def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: int,
+              curve: Callable[[int], float] | None = None) -> MemorySummary:
     """The largest batch ≤ ``max_batch`` whose peak stays within ``limit`` bytes, and the line.
 
-    Measured peaks bound the answer from both sides; between them the per-phase lines decide.
+    Measured peaks bound the answer from both sides; between them the per-phase lines decide, or
+    ``curve`` where given (a booked peak at any batch, nondecreasing: a sharded estimate's own).
     Shared by the probe, the lockstep probe across ranks and the estimate.
     """
     # A batch that fit only after the allocator flushed its cache and retried is no safe batch.
@@ -179,10 +181,17 @@ def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: in
                  for t in trials if t.fits and max(t.forward_backward_bytes, t.optimizer_bytes) > 0), default=0)
     cache = max(cache, 0)
     predicted = predict_batch(phases, None, limit - cache) if growing is not None else None
+    if curve is not None:  # bisected on the curve between the trials either side of the limit
+        low, high = floor_, min(ceiling, max_batch) + 1
+        while high - low > 1:
+            low, high = ((low + high) // 2, high) if curve((low + high) // 2) <= limit else (low, (low + high) // 2)
+        predicted = low
     safe = floor_ if predicted is None else max(floor_, min(ceiling, predicted))
     safe = min(safe, max_batch)
     if safe in fits:
         peak, measured = fits[safe], True
+    elif curve is not None and safe:
+        peak, measured = int(curve(safe)), False
     elif safe == 0 or not lines:
         peak, measured = None, False
     else:
@@ -285,7 +294,8 @@ def probe(
 
 
 def result_from_search(outcome: SearchOutcome, backend: MemoryBackend, *, capacity: int, headroom_bytes: int, min_batch: int,
-                       workload: str, fix: str, context: str = "", **fields: Any) -> ProbeResult:
+                       workload: str, fix: str, context: str = "", curve: Callable[[int], float] | None = None,
+                       **fields: Any) -> ProbeResult:
     """The :class:`ProbeResult` of a finished search, or :class:`NoBatchFitsError` when nothing fit.
 
     ``context`` opens the error (e.g. the strategy and world size), ``fix`` ends it; ``fields`` are
@@ -298,7 +308,7 @@ def result_from_search(outcome: SearchOutcome, backend: MemoryBackend, *, capaci
             f"{context}even a batch of {min_batch}{smallest} runs out of memory on {backend.info().name} "
             f"(capacity {format_bytes(capacity)}, reached {format_bytes(first.reserved_bytes)}); {fix}"
         )
-    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes)
+    summary = summarise(outcome.trials, outcome.max_batch, capacity - headroom_bytes, curve)
     return ProbeResult(
         max_batch=outcome.max_batch,
         safe_batch=summary.safe_batch,

@@ -176,6 +176,12 @@ def set_aside_gradients(params: Sequence[torch.nn.Parameter]) -> Iterator[list[t
             p.grad = g if p.grad is None else g.add_(p.grad)
 
 
+def _micro_batches(batches: Any) -> bool:
+    """Whether ``batches`` is a list of micro-batches, not one batch that is a list (``[inputs, labels]``,
+    as a DataLoader collates a TensorDataset's samples): a list whose items are not all tensors."""
+    return isinstance(batches, list) and not all(isinstance(b, torch.Tensor) for b in batches)
+
+
 def _labels_of(batch: Any, label_key: str) -> torch.Tensor:
     if isinstance(batch, Mapping) and label_key in batch:
         return batch[label_key]
@@ -250,9 +256,10 @@ class OOMGuard:
     def backward(self, batches: Any) -> GuardedStep:
         """Accumulate the gradients of one optimizer step; ``batches`` is one batch or a list of GA micro-batches.
 
-        Every rank must call it for the same step (it is collective in a process group).
+        A list of tensors is one batch: a DataLoader collates ``(inputs, labels)`` samples into
+        ``[inputs, labels]``. Every rank must call it for the same step (it is collective in a process group).
         """
-        batches = list(batches) if isinstance(batches, list) else [batches]
+        batches = list(batches) if _micro_batches(batches) else [batches]
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.accumulate and any(p.grad is not None for p in params):
             raise AutobatchError(

@@ -182,3 +182,23 @@ def test_accumulate_adds_to_earlier_gradients_and_a_failed_step_leaves_them_as_t
         assert guard.backward(long).pieces == 4
     for a, b in zip(reference.parameters(), model.parameters()):
         assert ((a.grad - b.grad).norm() / a.grad.norm()).item() <= 1e-5
+
+
+def test_a_list_of_tensors_is_one_batch_as_a_dataloader_collates_it():
+    # a TensorDataset's loader yields [x, y]: it was read as two micro-batches, x and y, and refused as no (inputs, labels) pair
+    from autobatch.guard import OOMGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none")
+
+    grads = []
+    for batch in ([x, y], (x, y), [(x[:3], y[:3]), (x[3:], y[3:])]):  # one list batch, one pair, two micro-batches
+        model.zero_grad(set_to_none=True)
+        done = OOMGuard(model, loss).backward(batch)
+        grads.append(model.weight.grad.clone())
+        assert done.samples == 6
+    assert torch.allclose(grads[0], grads[1]) and torch.allclose(grads[0], grads[2], atol=1e-6)

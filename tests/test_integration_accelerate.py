@@ -229,3 +229,34 @@ def test_two_gloo_ranks_with_different_budgets_end_on_the_same_batch() -> None:
     best, called, trials = ranks[0]
     assert best == smaller < 556  # the 1 MiB rank limits both (556 is the 2 MiB device's own answer)
     assert (best, True) in trials and (best + 1, False) in trials and called[-1] == best
+
+
+def test_an_optimizer_and_scheduler_passed_in_come_back_as_they_were_after_the_trials() -> None:
+    # the trials' steps stayed in an optimizer passed in: the real run started from Adam moments and a
+    # step count of 10 trial steps at other batch sizes, and ended on other weights than a clean run's
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def body(batch_size, model, optimizer, scheduler):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(batch_size, 64, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+
+    model, optimizer, scheduler = build()
+    train = find_executable_batch_size(body, starting_batch_size=4096, backend=SimulatedBackend("2MiB"))
+    train(model, optimizer, scheduler)
+    found = train.batch_sizes[-1]
+    assert len(train.batch_sizes) > 3  # trials ran, each taking optimizer steps
+    assert [float(s["step"]) for s in optimizer.state_dict()["state"].values()] == [3.0] * 4
+    assert scheduler.last_epoch == 3
+    clean_model, clean_optimizer, clean_scheduler = build()
+    body(found, clean_model, clean_optimizer, clean_scheduler)
+    for a, b in zip(model.parameters(), clean_model.parameters()):
+        assert torch.equal(a, b)

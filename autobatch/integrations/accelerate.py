@@ -27,7 +27,8 @@ is called (:class:`NoExecutableBatchSizeError`); passing the batch size raises a
 ``TypeError``; any other error propagates as the same object.
 
 Build the model and optimizer inside the function, as accelerate's own example does: each trial
-then starts from fresh weights. Modules passed as arguments are restored after each trial.
+then starts from fresh weights. Modules, optimizers and schedulers passed as arguments are restored
+after each trial.
 A later out-of-memory error in the real run (a rare long batch, evaluation) falls back to
 ``reduce_batch_size_fn`` (default ``0.9 ×``); :func:`guard` splits such a step instead of
 restarting: an :class:`~autobatch.guard.OOMGuard` whose micro-batches go through
@@ -62,7 +63,7 @@ from ..probing.heap import frozen_heap
 from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
 from ._common import world
-from .accelerate_trials import TrialStop, clear_device, default_backend, run_trial_of
+from .accelerate_trials import TrialStop, clear_device, default_backend, run_trial_of, stateful
 
 __all__ = ["find_executable_batch_size", "NoExecutableBatchSizeError", "TrialStop", "guard"]
 
@@ -294,7 +295,8 @@ def _agreed_trial(
     """
     modules = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module)]
     try:
-        trial = run_trial_of(function, batch, args, kwargs, backend, steps, modules, finished)
+        trial = run_trial_of(function, batch, args, kwargs, backend, steps, modules, finished,
+                             stateful((*args, *kwargs.values())))
     except Exception:
         if comm is not None:
             share_trial(comm, None)

@@ -2,16 +2,18 @@
 
 A global optimizer hook (:class:`_StepCounter`) counts the steps, reads the peaks per phase and
 stops the function with :class:`TrialStop` (a ``BaseException``: ``except Exception`` lets it
-pass); modules passed as arguments come back bit for bit. A function that returns before that
-ran its whole call, and its result is kept by batch.
+pass); modules passed as arguments come back bit for bit, and so do optimizers and learning-rate
+schedulers (their state, on the host while the trial runs: a trial's steps would otherwise be in
+the real run's Adam moments and step count). A function that returns before that ran its whole
+call, and its result is kept by batch.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from contextlib import ExitStack
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +27,24 @@ from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import borrowed_model
 from ..probing.trial import Trial
 
-__all__ = ["TrialStop", "run_trial_of", "default_backend", "clear_device"]
+__all__ = ["TrialStop", "run_trial_of", "default_backend", "clear_device", "stateful"]
+
+
+def stateful(values: Any) -> list[Any]:
+    """The optimizers and learning-rate schedulers among ``values``: what a trial's steps change."""
+    kinds = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    return [v for v in values if isinstance(v, kinds)]
+
+
+@contextmanager
+def _state_kept(obj: Any) -> Iterator[None]:
+    """``obj``'s state as it was once the trial is over: a copy on the host meanwhile, loaded back after."""
+    saved = torch.utils._pytree.tree_map(
+        lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, obj.state_dict())
+    try:
+        yield
+    finally:
+        obj.load_state_dict(saved)
 
 
 class TrialStop(BaseException):
@@ -87,6 +106,7 @@ def clear_device() -> None:
 def run_trial_of(
     function: Callable[..., Any], batch: int, args: tuple[Any, ...], kwargs: dict[str, Any],
     backend: MemoryBackend | None, steps: int, modules: list[torch.nn.Module], finished: dict[int, Any],
+    kept: tuple[Any, ...] | list[Any] = (),
 ) -> Trial:
     counter = _StepCounter(steps, backend)
     error = None
@@ -95,6 +115,8 @@ def run_trial_of(
         for module in modules:  # the user's modules come back bit for bit
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
             stack.enter_context(borrowed_model(module, device))
+        for obj in kept:  # and their optimizers and schedulers
+            stack.enter_context(_state_kept(obj))
         if backend is not None:
             backend.release()
             stack.enter_context(backend.track([]))

@@ -24,6 +24,7 @@ or NCCL's buffers taking part of it.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,6 +102,9 @@ class CachingAllocator:
         self.device_index = device_index
         self.device_total = device_total
         self.segments: list[_Segment] = []
+        # The free blocks of each pool (small, large) by (size, address): a best-fit lookup is a bisection
+        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        self._free_at: dict[int, _Block] = {}
         self.allocated = self.reserved = self.requested = 0
         self.peak_allocated = self.peak_reserved = 0
         self.num_alloc_retries = self.num_ooms = 0
@@ -130,7 +134,11 @@ class CachingAllocator:
                 self.num_ooms += 1
                 raise torch.OutOfMemoryError(self._oom_message(wanted))
             block = segment.blocks[0]
-        block = self._split(block, size, small)
+        else:
+            self._unlist(block)
+        block, tail = self._split(block, size, small)
+        if tail is not None:
+            self._list(tail)
         block.allocated, block.requested = True, nbytes
         self.allocated += block.size
         self.requested += nbytes
@@ -149,15 +157,20 @@ class CachingAllocator:
         blocks = block.segment.blocks
         i = blocks.index(block)
         if i + 1 < len(blocks) and not blocks[i + 1].allocated:  # merge with the next free block
+            self._unlist(blocks[i + 1])
             block.size += blocks.pop(i + 1).size
         if i > 0 and not blocks[i - 1].allocated:  # and with the previous one
+            self._unlist(blocks[i - 1])
             blocks[i - 1].size += blocks.pop(i).size
+            block = blocks[i - 1]
+        self._list(block)
 
     def release_cached(self) -> None:
         """Give every fully free segment back to the device (what ``empty_cache`` does)."""
         kept = []
         for segment in self.segments:
             if len(segment.blocks) == 1 and not segment.blocks[0].allocated:
+                self._unlist(segment.blocks[0])
                 self.reserved -= segment.size
                 self.num_device_free += 1
             else:
@@ -192,15 +205,19 @@ class CachingAllocator:
     # --- inside -------------------------------------------------------------------------------
 
     def _free_block(self, size: int, small: bool) -> _Block | None:
-        best = None
-        for segment in self.segments:
-            if segment.small != small:
-                continue
-            for block in segment.blocks:
-                if not block.allocated and block.size >= size and (
-                        best is None or (block.size, block.address) < (best.size, best.address)):
-                    best = block
-        return best
+        """The pool's best fit: the smallest free block of at least ``size``, the lowest address among equals."""
+        free = self._free[small]
+        i = bisect.bisect_left(free, (size, -1))
+        return self._free_at[free[i][1]] if i < len(free) else None
+
+    def _list(self, block: _Block) -> None:
+        bisect.insort(self._free[block.segment.small], (block.size, block.address))
+        self._free_at[block.address] = block
+
+    def _unlist(self, block: _Block) -> None:
+        free = self._free[block.segment.small]
+        del free[bisect.bisect_left(free, (block.size, block.address))]
+        del self._free_at[block.address]
 
     def _new_segment(self, size: int, small: bool, force: bool = False) -> _Segment | None:
         if not force and self.limit is not None and self.reserved + size > self.limit:
@@ -216,14 +233,16 @@ class CachingAllocator:
         return segment
 
     @staticmethod
-    def _split(block: _Block, size: int, small: bool) -> _Block:
+    def _split(block: _Block, size: int, small: bool) -> tuple[_Block, _Block | None]:
+        """``block`` cut to ``size`` where the rest is worth keeping apart; the rest, free, or ``None``."""
         rest = block.size - size
         if (rest >= K_MIN_BLOCK) if small else (rest > K_SMALL_SIZE):
             blocks = block.segment.blocks
             tail = _Block(block.segment, block.address + size, rest)
             block.size = size
             blocks.insert(blocks.index(block) + 1, tail)
-        return block
+            return block, tail
+        return block, None
 
     def _oom_message(self, size: int) -> str:
         total = self.device_total

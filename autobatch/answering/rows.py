@@ -123,8 +123,9 @@ def estimate_strategy_rows(request: Request, spec: Any, *, on_trial: Callable[[A
         return workload, backends[apart]
 
     # The trials already run on fake tensors: a traced prior saves nothing. Booked, each row's first two
-    # trials give its own curve (simulated_world._booked_lead), which another row's trials would not.
-    return strategy_rows(request, setup, on_trial=on_trial, use_trace_prior=False, led=not booked)
+    # trials give its own curve (simulated_world._booked_lead); a row led by the one before puts its
+    # second where the leader's trials put the boundary.
+    return strategy_rows(request, setup, on_trial=on_trial, use_trace_prior=False, led=True)
 
 
 def estimate_overheads(request: Request) -> Any:

@@ -149,9 +149,12 @@ def probe_sharded(
         # The prior's traces, if any, run on the same group; each trial's collection walks only what the probe made.
         with frozen_heap(), fake_process_group(world_size), trials() as trial:
             known: tuple[Trial, ...] = ()
-            if (prior is None or isinstance(prior, NoTrace)) and getattr(trial, "booking", None) is not None:
+            if (prior is None or isinstance(prior, NoTrace) or hasattr(prior, "led_by")) \
+                    and getattr(trial, "booking", None) is not None:
                 # booked on fake tensors: the first two trials give every batch's requests, a curve that leads
-                known, prior = _booked_lead(runner(0, trial), trial, min_batch, max_batch)
+                # (the second where another row's trials put the boundary, if they lead this row)
+                known, prior = _booked_lead(runner(0, trial), trial, min_batch, max_batch, capacity,
+                                            prior if hasattr(prior, "led_by") else None)
             outcome = search_max(runner(0, trial), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior,
                                  known=known)
             outcome = replace(outcome, trials=known + outcome.trials)
@@ -197,20 +200,45 @@ class _BookedCurve:
         return {"led": True, "reason": None, "traced_batches": self.batches, "seconds": self.seconds, "failure": None}
 
 
-def _booked_lead(run: Callable[[int], Trial], trials: Any, min_batch: int, max_batch: int | None
-                 ) -> tuple[tuple[Trial, ...], Callable[[int], float] | None]:
-    """The smallest batch and the next, whose requests give every batch's (:class:`_BookedCurve`); one more
-    where the second had to be traced afresh (its requests did not pair with the first's: a new reference),
-    none where a trial fails or the cap allows no more."""
+def _booked_lead(run: Callable[[int], Trial], trials: Any, min_batch: int, max_batch: int | None, capacity: int,
+                 row_lead: Any = None) -> tuple[tuple[Trial, ...], Callable[[int], float] | None]:
+    """A first trial and a second, whose requests give every batch's (:class:`_BookedCurve`); none where the
+    first fails or the cap allows no second.
+
+    The first is at the batch after the smallest: at one sample PyTorch makes a request fewer (the copy of
+    ``labels[..., 1:]``), so a first trial there would book every larger batch without it; where it fits,
+    so does the smallest. The second is the next batch, or where another row's trials put this row's
+    boundary (``row_lead``, moved onto the first trial); one more where the second had to be traced afresh."""
     started = time.perf_counter()
-    known = (run(min_batch),)
-    for batch in (min_batch + 1, min_batch + 2):
-        if not known[-1].fits or (max_batch is not None and batch > max_batch):
+    first = min_batch + 1 if max_batch is None or max_batch > min_batch else min_batch
+    known = (run(first),)
+    if not known[0].fits:
+        return (known + (run(min_batch),) if first > min_batch else known), None
+    if row_lead is not None:
+        row_lead.saw(known[0])
+    for k in range(2):
+        if max_batch is not None and max_batch <= known[-1].batch:
             return known, None
+        batch = known[-1].batch + 1
+        if k == 0 and row_lead is not None:
+            batch = max(batch, _boundary(row_lead, capacity, batch, max_batch))
         known += (run(batch),)
-        if known[-1].fits and not math.isnan(trials.curve(batch)):
+        if not math.isnan(trials.curve(batch)):
             return known, _BookedCurve(trials.curve, [t.batch for t in known], time.perf_counter() - started)
+        if not known[-1].fits:
+            return known, None
     return known, None
+
+
+def _boundary(curve: Callable[[int], float], capacity: int, low: int, cap: int | None) -> int:
+    """The largest batch from ``low`` on (up to ``cap``) whose ``curve`` stays within ``capacity``, by doubling then bisection."""
+    high = low
+    while curve(high) <= capacity and (cap is None or high < cap) and high < 1 << 40:
+        low, high = high, high * 2
+    high = high if cap is None else min(high, cap + 1)
+    while high - low > 1:
+        low, high = ((low + high) // 2, high) if curve((low + high) // 2) <= capacity else (low, (low + high) // 2)
+    return low
 
 
 def _advice(strategy: Strategy) -> str:

@@ -158,6 +158,10 @@ def probe_sharded(
             outcome = search_max(runner(0, trial), capacity, min_batch=min_batch, max_batch=max_batch, prior=prior,
                                  known=known)
             outcome = replace(outcome, trials=known + outcome.trials)
+            if known and known[0].batch > min_batch and outcome.max_batch > 0 and not any(
+                    t.fits and t.reserved_bytes <= capacity - headroom_bytes for t in outcome.trials):
+                # the first trial was past the smallest batch, and none kept the headroom: the smallest may
+                outcome = replace(outcome, trials=outcome.trials + (runner(0, trial)(min_batch),))
         # Ranks hold different shards where the partitions are uneven (ZeRO-1/2 pad and split the flat
         # buffer by rank, FSDP1 pads the last shard): the last rank plays the answer too, and where it
         # runs out of memory there, its own search goes on below it. The answer is the smaller one.

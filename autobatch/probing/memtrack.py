@@ -106,20 +106,19 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.making = func
         flat, _ = tree_flatten(out)
-        view = getattr(func, "is_view", False)  # its outputs alias an input's storage
         for item in flat:
             if isinstance(item, torch.Tensor):
-                self._register(item, check_budget=True, view=view)
+                self._register(item, check_budget=True)
         return out
 
-    def _register(self, tensor: torch.Tensor, *, check_budget: bool, view: bool = False) -> None:
+    def _register(self, tensor: torch.Tensor, *, check_budget: bool) -> None:
         if is_traceable_wrapper_subclass(tensor):
             # The wrapper's storage is a placeholder of the global size; the data is in the inner tensors.
             names, _ = tensor.__tensor_flatten__()
             for name in names:
                 inner = getattr(tensor, name)
                 if isinstance(inner, torch.Tensor):
-                    self._register(inner, check_budget=check_budget, view=view)
+                    self._register(inner, check_budget=check_budget)
             return
         if tensor.device.type == "meta":  # shapes only (ZeRO-1/2 keep a meta copy of every parameter): no memory
             return
@@ -128,10 +127,6 @@ class MemoryTracker(TorchDispatchMode):
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-            return
-        if view and id(storage) not in self._live:
-            # a view of memory never counted (``x[:b]`` of a dataset made before the tracker, on the
-            # host): no new memory, as a GPU's copy of the batch is the batch alone
             return
         self._account(storage, check_budget=check_budget)
 

@@ -53,18 +53,9 @@ class Trial:
 
 
 def to_device(batch: Any, device: torch.device, floats: torch.dtype | None = None) -> Any:
-    """Move every tensor in a (nested) batch to ``device``; floating-point ones also to ``floats`` where given.
-
-    On the CPU (a simulated budget) a view of a larger storage (``x[:b]`` of a dataset in memory) is copied,
-    as moving it to a GPU copies only its elements: the trial holds the batch, not the dataset.
-    """
+    """Move every tensor in a (nested) batch to ``device``; floating-point ones also to ``floats`` where given."""
     if isinstance(batch, torch.Tensor):
-        if floats is not None and batch.is_floating_point():
-            return batch.to(device, dtype=floats)
-        moved = batch.to(device)
-        if device.type == "cpu" and moved is batch and _views_more(batch):
-            return batch.clone(memory_format=torch.contiguous_format)
-        return moved
+        return batch.to(device, dtype=floats) if floats is not None and batch.is_floating_point() else batch.to(device)
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device, floats) for k, v in batch.items()}
         return moved if type(batch) is dict else type(batch)(moved)
@@ -72,14 +63,6 @@ def to_device(batch: Any, device: torch.device, floats: torch.dtype | None = Non
         items = [to_device(v, device, floats) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
-
-
-def _views_more(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a view of a storage larger than its own elements."""
-    try:
-        return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
-        return False
 
 
 def batch_on(workload: Workload, batch_size: int, device: torch.device) -> Any:

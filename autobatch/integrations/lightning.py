@@ -346,7 +346,7 @@ class _GuardedSteps:
                 p.grad = None
         self._args, self._outputs = (batch_idx, *args), []
         with set_aside_gradients(params):
-            done: GuardedStep = self.guard.backward([batch])  # one batch, whatever it is (Lightning's [x, y] too)
+            done: GuardedStep = self.guard.backward(batch)  # a list of tensors ([x, y]) is one batch
             self.pending = [p.grad for p in params]
             for p in params:
                 p.grad = None

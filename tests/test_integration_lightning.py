@@ -264,32 +264,6 @@ def test_guard_under_ddp_splits_the_same_step_on_every_rank_and_trains_to_the_sa
     assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))  # the ranks stay in step
 
 
-class _Pairs(pl.LightningDataModule):
-    """A TensorDataset's loader: Lightning's default collate gives each batch as a list, ``[x, y]``."""
-
-    def __init__(self):
-        super().__init__()
-        self.batch_size = 8
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(512, 32, generator=g), torch.randint(0, 4, (512,), generator=g)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=self.batch_size)
-
-
-class _PairNet(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
 def test_guard_takes_a_batch_lightning_collates_as_a_list():
     # guard=True read the [x, y] list of a TensorDataset's loader as two micro-batches and crashed in training_step
     from autobatch.integrations.lightning import AutoBatch
@@ -298,5 +272,5 @@ def test_guard_takes_a_batch_lightning_collates_as_a_list():
     callback = AutoBatch(target=256, memory="240KiB", headroom=0, guard=True)
     trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
-    trainer.fit(_PairNet(), datamodule=_Pairs())
+    trainer.fit(Net(), datamodule=Data(8))  # a TensorDataset's loader: each batch [x, y]
     assert trainer.global_step == 3 and callback.guard.steps == 3 * callback.plan.grad_accum

@@ -310,3 +310,22 @@ def test_guard_under_ddp_splits_the_same_step_on_every_rank_and_trains_to_the_sa
     assert history0 == history1 == [(2, 4, 3)]  # each rank's 2nd step: whole and 2 pieces ran out of memory, 4 fit
     assert worst0 <= 1e-5 and worst1 <= 1e-5
     assert all(torch.equal(a, b) for a, b in zip(weights0, weights1))  # the ranks stay in step
+
+
+def test_evaluation_is_probed_with_the_cache_the_trainer_sets(gpt2, tmp_path) -> None:
+    """The Trainer sets ``model.config.use_cache`` from ``args.use_cache`` (off by default): a model whose config
+    caches keys and values is probed as the Trainer will evaluate it, and its config comes back as it was."""
+    gpt2.config.use_cache = True
+    try:
+        answers = {}
+        for cached in (False, True):
+            new = fit_training_args(arguments(tmp_path, use_cache=cached), gpt2, sample=Rows()[0], memory="3MiB",
+                                    headroom=0)
+            answers[cached] = new.per_device_eval_batch_size
+            assert gpt2.config.use_cache is True
+        trainer = transformers.Trainer(model=gpt2, args=arguments(tmp_path), train_dataset=Rows())
+        assert gpt2.config.use_cache is False  # what the Trainer does, and what the first probe took
+        attached = AutoBatchCallback(memory="3MiB", headroom=0).attach(trainer).args.per_device_eval_batch_size
+    finally:
+        gpt2.config.use_cache = True
+    assert answers[False] == attached > answers[True]  # every layer's keys and values kept: fewer fit

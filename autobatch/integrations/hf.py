@@ -19,6 +19,7 @@ batch that runs out of memory is split and each piece goes through the Trainer's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -26,7 +27,7 @@ import gc
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -155,11 +156,13 @@ def _planned_changes(
     workload = Workload(model, make, loss_fn=loss_fn, optimizer=lambda params: cls(params, **kwargs), dtype=dtype,
                         grad_checkpointing=checkpointing, name=type(model).__name__)
     backend = backend or make_backend(_device_of(model, args), memory)
-    result = probe_here(workload, backend, max_batch=max_batch, headroom=headroom)
-    plan = plan_for(result, target, world)
-    evaluation = plan.micro_batch
-    if eval_batch:  # each rank's own forward-only probe; every rank takes the smallest
-        evaluation = _smallest_on_any_rank(probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch, loss_fn=loss_fn), backend)
+    with _as_the_trainer_sets(model, args):
+        result = probe_here(workload, backend, max_batch=max_batch, headroom=headroom)
+        plan = plan_for(result, target, world)
+        evaluation = plan.micro_batch
+        if eval_batch:  # each rank's own forward-only probe; every rank takes the smallest
+            evaluation = _smallest_on_any_rank(
+                probe_eval_batch(model, make, backend, dtype=dtype, max_batch=max_batch, loss_fn=loss_fn), backend)
     changes: dict[str, Any] = {
         "per_device_train_batch_size": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
@@ -173,6 +176,24 @@ def _planned_changes(
              "devices = %d sequences per step; eval batch %d", result.max_batch, result.safe_batch, len(result.trials),
              plan.micro_batch, plan.grad_accum, world, plan.global_batch, evaluation)
     return changes, plan, result
+
+
+@contextlib.contextmanager
+def _as_the_trainer_sets(model: torch.nn.Module, args: Any) -> Iterator[None]:
+    """The model's ``config.use_cache`` as the Trainer sets it from ``args.use_cache`` (off by default) while the
+    probes run, then back: a model that caches keys and values keeps every layer's under ``no_grad``, so an
+    evaluation probed with the cache on fits fewer than the Trainer's ``evaluate()`` does."""
+    config = getattr(model, "config", None)
+    wanted = getattr(args, "use_cache", None)
+    if config is None or wanted is None or not hasattr(config, "use_cache"):
+        yield
+        return
+    before = config.use_cache
+    config.use_cache = wanted
+    try:
+        yield
+    finally:
+        config.use_cache = before
 
 
 def _smallest_on_any_rank(value: int, backend: MemoryBackend) -> int:

@@ -233,3 +233,38 @@ def test_arguments_are_validated_with_one_line(kwargs, pattern):
     with pytest.raises(AutobatchError, match=pattern) as info:
         solve(224, **{"gpus_per_node": 16, **kwargs})
     assert "\n" not in str(info.value)
+
+
+def test_a_prime_target_names_the_nearest_targets_a_fuller_micro_batch_reaches():
+    plan = solve(997, max_micro=64)
+    assert (plan.micro_batch, plan.grad_accum) == (1, 997)
+    assert "992 (62 × 16) or 999 (37 × 27) would fill more of it" in plan.reason
+    on_eight = solve(997 * 8, gpus_per_node=8, max_micro=64)
+    assert "7936 (62 × 16 × 8) or 7992 (37 × 27 × 8)" in on_eight.reason
+
+
+@PROPERTY
+@given(targets, gpu_counts, st.integers(min_value=2, max_value=64), min_micros, multiples)
+def test_every_fuller_target_named_is_the_nearest_on_its_side_and_solves_as_named(target, gpus, max_micro, min_micro,
+                                                                                 multiple_of):
+    """Named only where the plan accumulates a micro batch under half the largest allowed; each target named
+    solves to the micro × accumulation named with it, and none nearer on its side takes a micro over that half."""
+    try:
+        plan = solve(target * gpus, gpus, max_micro=max_micro, min_micro=min_micro, multiple_of=multiple_of)
+    except AutobatchError:
+        return
+    largest = max(m for m in range(1, max_micro + 1) if allowed(m, min_micro, max_micro, multiple_of))
+    fuller = plan.grad_accum > 1 and 2 * plan.micro_batch <= largest
+    assert ("would fill more of it" in plan.reason) == fuller
+    if not fuller:
+        return
+    named = plan.reason.split("allowed: ")[1].removesuffix(" would fill more of it").split(" or ")
+    for text in named:
+        total, arithmetic = text.split(" (")
+        micro, accum = map(int, arithmetic.rstrip(")").split(" × ")[:2])
+        assert solve(int(total), gpus, max_micro=max_micro, min_micro=min_micro, multiple_of=multiple_of).micro_batch == micro
+        assert micro * accum * gpus == int(total) and 2 * micro > largest
+    totals = sorted(int(t.split(" (")[0]) // gpus for t in named)
+    full = [m for m in range(1, largest + 1) if allowed(m, min_micro, max_micro, multiple_of) and 2 * m > largest]
+    low = totals[0] if len(totals) == 2 else 0  # none below: no per-GPU count under the target takes one
+    assert not [k for k in range(low + 1, totals[-1]) if k != target and any(k % m == 0 for m in full)]

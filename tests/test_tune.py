@@ -155,9 +155,17 @@ def test_a_plan_proposed_again_in_a_run_is_never_timed_again_pruned_or_not(tmp_p
 
     monkeypatch.setattr(module, "time_plan", timing)
     result = tune(_plain(), TARGET, SimulatedBackend(BUDGET), n_trials=15, root=tmp_path, max_batch=64)
-    assert len(timed) == len(set(timed)) < 15, timed  # five plans for 16 on one GPU: each timed once
+    assert len(timed) == len(set(timed)) == 5, timed  # five plans for 16 on one GPU: each timed once
     states = [m.state for m in result.measurements]
     assert states.count("COMPLETE") == 1 and states.count("PRUNED") == len(timed) - 1
+    # once every plan is timed the study stops, and the trials proposing a plan again are counted aloud
+    assert result.trials_run == 5 + result.repeats < 15 and result.trials_asked == 15
+    summary = str(result)
+    assert f"every candidate plan was timed after {result.trials_run} of the 15 trials asked" in summary
+    assert (f"{result.repeats} of this run's {result.trials_run} trials proposed a plan timed already" in summary) \
+        == (result.repeats > 0)
+    data = result.to_dict()
+    assert (data["trials_asked"], data["trials_run"], data["repeats"]) == (15, result.trials_run, result.repeats)
 
 
 def test_tune_refuses_a_seed_optuna_cannot_take_and_names_a_damaged_study(tmp_path):

@@ -69,6 +69,9 @@ class TuneResult:
     target: int
     probes: dict[bool, ProbeResult] = field(default_factory=dict, compare=False)
     plot: str | None = None  # the PNG drawn of this study, when one was asked for
+    trials_run: int = 0  # optuna trials this run, repeats included
+    repeats: int = 0  # of them, plans proposed again after their timing in this run (the first timing stands)
+    trials_asked: int = 0  # n_trials; fewer run when every candidate plan was timed before the last
 
     @property
     def speedup(self) -> float:
@@ -94,6 +97,7 @@ class TuneResult:
             "candidates": [c.label for c in self.candidates],
             "measurements": [m.to_dict() for m in self.measurements],
             "max_micro": {("on" if gc else "off"): p.safe_batch for gc, p in self.probes.items()},
+            "trials_asked": self.trials_asked, "trials_run": self.trials_run, "repeats": self.repeats,
             **({"plot": self.plot} if self.plot else {}),
         }
 
@@ -116,13 +120,20 @@ class TuneResult:
         earlier = sum(m.earlier_run for m in self.measurements)
         note = ([f"(best and baseline timed in this run; the study's {earlier} timing(s) from earlier runs are in "
                  "--json as earlier_run, not compared: another process, another load)"] if earlier else [])
+        spent = []
+        if self.repeats:
+            spent.append(f"{self.repeats} of this run's {self.trials_run} trials proposed a plan timed already in it "
+                         "(its first timing stands, nothing ran)")
+        if self.trials_run < self.trials_asked:
+            spent.append(f"every candidate plan was timed after {self.trials_run} of the {self.trials_asked} trials "
+                         "asked, so the study stopped there")
         return "\n".join([
             f"best:     {line(self.best)}",
             f"baseline: {line(self.baseline)} (largest micro batch)",
             f"speed-up: {verdict}",
             *note,
             f"study {self.study_name} in {self.storage}: {len(self.candidates)} candidate plans, "
-            f"{done} timed, {pruned} pruned",
+            f"{done} timed, {pruned} pruned" + "".join(f"; {part}" for part in spent),
         ])
 
 
@@ -325,6 +336,10 @@ def tune(
             return rate
 
         def callback(study: Any, frozen: Any) -> None:
+            tried = {t.params.get("plan") for t in study.get_trials(deepcopy=False)[first_now:]
+                     if t.state.is_finished() and "repeat_of" not in t.user_attrs}
+            if tried >= set(labels):  # the sampler would only propose repeats from here on
+                study.stop()
             if on_trial is not None:
                 for m in _measurements(study, by_label, first_now):
                     if m.trial_number == frozen.number:
@@ -343,8 +358,10 @@ def tune(
             "rerun with more --trials, or lower the micro batch with --headroom"
         )
     best = max(complete, key=lambda m: m.samples_per_second or 0.0)
+    this_run = study.get_trials(deepcopy=False)[first_now:]
     return TuneResult(best=best, baseline=base, measurements=tuple(measurements), candidates=tuple(candidates),
-                      study_name=study_name, storage=storage, target=target, probes=probes)
+                      study_name=study_name, storage=storage, target=target, probes=probes, trials_run=len(this_run),
+                      repeats=sum("repeat_of" in t.user_attrs for t in this_run), trials_asked=n_trials)
 
 
 @contextlib.contextmanager

@@ -222,14 +222,24 @@ def test_accelerate_command_parses_with_accelerates_own_parser(nodes):
     launch = need("accelerate.commands.launch")
     plan = solve(256, 8, nodes, max_micro=16)
     line = accelerate_command(plan, "train.py", ["--lr", "3e-4"])
-    env, *words = shlex.split(os.path.expandvars(line) if nodes == 1 else line.replace("$NODE_RANK", "1").replace(
-        "$MASTER_ADDR", "10.0.0.1"))
-    assert env == f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.grad_accum}"
-    args = launch.launch_command_parser().parse_args(words[2:])
-    assert (int(args.num_processes), int(args.num_machines), args.multi_gpu) == (plan.num_processes, nodes, True)
-    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "3e-4"]
-    if nodes > 1:
-        assert (int(args.machine_rank), args.main_process_ip, int(args.main_process_port)) == (1, "10.0.0.1", 29500)
+    for port in (None, "12345"):  # the job's MASTER_PORT where its shell sets one, else torch's default
+        env, *words = shell_words(line, NODE_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT=port)
+        assert env == f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.grad_accum}"
+        args = launch.launch_command_parser().parse_args(words[2:])
+        assert (int(args.num_processes), int(args.num_machines), args.multi_gpu) == (plan.num_processes, nodes, True)
+        assert args.training_script == "train.py" and args.training_script_args == ["--lr", "3e-4"]
+        if nodes > 1:
+            assert (int(args.machine_rank), args.main_process_ip, int(args.main_process_port)) == (
+                1, "10.0.0.1", int(port or 29500))
+
+
+def shell_words(line: str, **variables: str | None) -> list[str]:
+    """``line``'s words as a POSIX shell splits and expands them with ``variables`` set (``None``: unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in variables}
+    env.update({k: v for k, v in variables.items() if v is not None})
+    out = subprocess.run(["sh", "-c", f'for word in {line}; do printf "%s\\n" "$word"; done'], env=env,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
 
 
 def test_accelerator_reads_the_accumulation_from_the_launch_environment():
@@ -291,14 +301,16 @@ def test_lightning_trainer_takes_the_settings(plan):
 def test_torchrun_command_parses_with_torchruns_own_parser(plan):
     run = need("torch.distributed.run")
     line = torchrun_command(plan, "train.py", hf_flags(plan))
-    words = shlex.split(line.replace("$NODE_RANK", "0").replace("$MASTER_ADDR", "10.0.0.1"))
-    assert words[0] == "torchrun"
-    args = run.get_args_parser().parse_args(words[1:])
-    assert int(args.nproc_per_node) == plan.gpus_per_node
-    assert args.standalone == (plan.nodes == 1)
-    if plan.nodes > 1:
-        assert (args.nnodes, args.node_rank, args.master_addr) == (str(plan.nodes), 0, "10.0.0.1")
-    assert args.training_script == "train.py" and args.training_script_args == hf_flags(plan)
+    for port in (None, "12345"):
+        words = shell_words(line, NODE_RANK="0", MASTER_ADDR="10.0.0.1", MASTER_PORT=port)
+        assert words[0] == "torchrun"
+        args = run.get_args_parser().parse_args(words[1:])
+        assert int(args.nproc_per_node) == plan.gpus_per_node
+        assert args.standalone == (plan.nodes == 1)
+        if plan.nodes > 1:
+            assert (args.nnodes, args.node_rank, args.master_addr, int(args.master_port)) == (
+                str(plan.nodes), 0, "10.0.0.1", int(port or 29500))
+        assert args.training_script == "train.py" and args.training_script_args == hf_flags(plan)
 
 
 def test_shell_placeholders_stay_unquoted_and_paths_are_quoted():

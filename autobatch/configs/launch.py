@@ -1,7 +1,8 @@
 """Launch command lines for a plan: ``torchrun`` and ``accelerate launch``.
 
-Multi-node lines carry shell placeholders (``$NODE_RANK``, ``$MASTER_ADDR``) that each node's
-shell or scheduler fills in; they are left unquoted on purpose so the shell expands them.
+Multi-node lines carry shell placeholders (``$NODE_RANK``, ``$MASTER_ADDR``, and ``${MASTER_PORT:-29500}``:
+the job's port where it sets one, else torch's default) that each node's shell or scheduler fills in;
+they are left unquoted on purpose so the shell expands them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = ["torchrun_command", "accelerate_command"]
 
-_SHELL_VARIABLE = re.compile(r"^\$(\w+|\{\w+\})$")
+_SHELL_VARIABLE = re.compile(r"^\$(\w+|\{\w+(:-\w*)?\})$")
+#: The rendezvous port of a multi-node line: the job's ``MASTER_PORT`` where its shell sets one, else torch's default.
+PORT = "${MASTER_PORT:-29500}"
 
 
 def _join(words: Sequence[object]) -> str:
@@ -33,7 +36,7 @@ def torchrun_command(
     *,
     node_rank: str | int = "$NODE_RANK",
     master_addr: str = "$MASTER_ADDR",
-    master_port: int | str = 29500,
+    master_port: int | str = PORT,
 ) -> str:
     """The ``torchrun`` line that starts ``gpus_per_node`` processes on each of ``nodes`` nodes.
 
@@ -69,7 +72,7 @@ def accelerate_command(
     deepspeed_config_file: str | os.PathLike[str] | None = None,
     machine_rank: str | int = "$NODE_RANK",
     main_process_ip: str = "$MASTER_ADDR",
-    main_process_port: int | str = 29500,
+    main_process_port: int | str = PORT,
 ) -> str:
     """The ``accelerate launch`` line for the plan.
 

@@ -5,7 +5,8 @@ Run (CPU, a simulated 4 MiB GPU, a few seconds):
 On a GPU, drop --device and --memory: the probe measures this card, and the plan assumes every
 GPU of the job is alike. With --max-micro N the probe is skipped and N is the micro-batch limit.
 
-What it shows: the probe finds the largest micro batch one GPU trains (8 for tiny-gpt2 in 4 MiB);
+What it shows: the probe finds the largest micro batch one GPU trains (9 for tiny-gpt2 in 4 MiB) and keeps
+8 with headroom;
 ``autobatch.find_plan`` solves micro batch × gradient accumulation × 16 GPUs = 224 (7 × 2 × 16,
 field report 5); ``autobatch.deepspeed_config(plan, template)`` writes the three batch keys over the template's
 ``"auto"`` and keeps every other key (ZeRO stage 2, bf16, optimizer); then DeepSpeed's own config

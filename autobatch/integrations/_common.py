@@ -19,6 +19,7 @@ from ..planning.plan import Plan
 from ..planning.solver import solve
 from ..probing.backends import MemoryBackend
 from ..probing.heap import frozen_heap
+from ..probing.memtrack import making_batch
 from ..probing.oom import is_oom_error, oom_message
 from ..probing.preserve import borrowed_model
 from ..probing.probe import DEFAULT_HEADROOM, probe
@@ -150,7 +151,10 @@ def probe_eval_batch(
         resident = list(lent.parameters()) + list(lent.buffers())
         with backend.track(resident):
             try:
-                batch = to_device(make_batch(batch_size), backend.device)
+                with making_batch():
+                    made = make_batch(batch_size)
+                batch = to_device(made, backend.device)
+                del made
                 autocast = (torch.autocast(backend.device.type, dtype=autocast_dtype)
                             if autocast_dtype is not None else nullcontext())
                 with torch.no_grad(), autocast:

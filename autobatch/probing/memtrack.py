@@ -23,16 +23,32 @@ to book each storage in.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTracker"]
+__all__ = ["MemoryTracker", "making_batch"]
+
+_MAKING_BATCH = contextvars.ContextVar("autobatch_making_batch", default=False)
+
+
+@contextlib.contextmanager
+def making_batch() -> Iterator[None]:
+    """While a workload makes its batch: a view of memory no tracker counted (``x[:b]`` of a dataset the user
+    holds on the host) costs nothing, as on a GPU, where only the batch's own copy is device memory (the move
+    to the device, :func:`~autobatch.probing.trial.to_device`, makes and counts it)."""
+    token = _MAKING_BATCH.set(True)
+    try:
+        yield
+    finally:
+        _MAKING_BATCH.reset(token)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -106,19 +122,20 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.making = func
         flat, _ = tree_flatten(out)
+        host_view = getattr(func, "is_view", False) and _MAKING_BATCH.get()
         for item in flat:
             if isinstance(item, torch.Tensor):
-                self._register(item, check_budget=True)
+                self._register(item, check_budget=True, host_view=host_view)
         return out
 
-    def _register(self, tensor: torch.Tensor, *, check_budget: bool) -> None:
+    def _register(self, tensor: torch.Tensor, *, check_budget: bool, host_view: bool = False) -> None:
         if is_traceable_wrapper_subclass(tensor):
             # The wrapper's storage is a placeholder of the global size; the data is in the inner tensors.
             names, _ = tensor.__tensor_flatten__()
             for name in names:
                 inner = getattr(tensor, name)
                 if isinstance(inner, torch.Tensor):
-                    self._register(inner, check_budget=check_budget)
+                    self._register(inner, check_budget=check_budget, host_view=host_view)
             return
         if tensor.device.type == "meta":  # shapes only (ZeRO-1/2 keep a meta copy of every parameter): no memory
             return
@@ -128,6 +145,8 @@ class MemoryTracker(TorchDispatchMode):
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
             return
+        if host_view and id(storage) not in self._live:
+            return  # see making_batch
         self._account(storage, check_budget=check_budget)
 
     def _account(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .backends import MemoryBackend
+from .memtrack import making_batch
 from .oom import is_oom_error, oom_message
 from .progress import working
 from .samples import check_sample_count
@@ -53,9 +54,17 @@ class Trial:
 
 
 def to_device(batch: Any, device: torch.device, floats: torch.dtype | None = None) -> Any:
-    """Move every tensor in a (nested) batch to ``device``; floating-point ones also to ``floats`` where given."""
+    """Move every tensor in a (nested) batch to ``device``; floating-point ones also to ``floats`` where given.
+
+    A view of a larger storage that stays where it is (``x[:b]`` of a dataset on the host, on a simulated
+    budget) is copied, as a move to a GPU copies only its elements: the trial holds the batch, not the data
+    (:func:`~autobatch.probing.memtrack.making_batch` left the view uncounted).
+    """
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, dtype=floats) if floats is not None and batch.is_floating_point() else batch.to(device)
+        moved = batch.to(device, dtype=floats) if floats is not None and batch.is_floating_point() else batch.to(device)
+        if moved is batch and device.type == "cpu" and _views_more(batch):
+            return batch.clone(memory_format=torch.preserve_format)
+        return moved
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device, floats) for k, v in batch.items()}
         return moved if type(batch) is dict else type(batch)(moved)
@@ -65,13 +74,21 @@ def to_device(batch: Any, device: torch.device, floats: torch.dtype | None = Non
     return batch
 
 
+def _views_more(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of a storage larger than its own elements."""
+    try:
+        return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return False
+
+
 def batch_on(workload: Workload, batch_size: int, device: torch.device) -> Any:
     """``workload.make_batch(batch_size)`` on ``device``, refused when it does not hold ``batch_size`` samples.
     With pure low-precision weights its floating-point tensors take their dtype (Lightning's ``convert_input``)."""
     weights = weights_dtype(workload.dtype)
     # Made in that dtype where make_batch leaves it to torch's default: a batch made in fp32 and cast
     # would hold both copies at once on a simulated budget, where a GPU copies the host's in one go.
-    with weights_in(weights):
+    with weights_in(weights), making_batch():
         batch = workload.make_batch(batch_size)
     check_sample_count(batch, batch_size, workload.make_batch)
     return to_device(batch, device, weights)

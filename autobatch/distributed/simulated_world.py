@@ -24,6 +24,7 @@ from ..errors import AutobatchError
 from ..modelinfo import batchnorm_record, min_batch_for
 from ..probing.backends import MemoryBackend
 from ..probing.heap import frozen_heap
+from ..probing.memory_curve import last_kept
 from ..probing.probe import DEFAULT_HEADROOM, prior_report, resolve_headroom, result_from_search
 from ..probing.result import ProbeResult
 from ..probing.search import NoTrace, SearchOutcome, search_max
@@ -239,10 +240,7 @@ def _boundary(curve: Callable[[int], float], capacity: int, low: int, cap: int |
     high = low
     while curve(high) <= capacity and (cap is None or high < cap) and high < 1 << 40:
         low, high = high, high * 2
-    high = high if cap is None else min(high, cap + 1)
-    while high - low > 1:
-        low, high = ((low + high) // 2, high) if curve((low + high) // 2) <= capacity else (low, (low + high) // 2)
-    return low
+    return last_kept(lambda b: curve(b) <= capacity, low, high if cap is None else min(high, cap + 1))
 
 
 def _advice(strategy: Strategy) -> str:

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import AutobatchError, NoBatchFitsError
 from ..modelinfo import batchnorm_record, min_batch_for, require_materialized
+from ..probing.memory_curve import last_kept
 from ..probing.preserve import enable_checkpointing
 from ..probing.probe import DEFAULT_HEADROOM, NOTHING_FITS_FIX, resolve_headroom, summarise
 from ..probing.progress import working
@@ -392,8 +393,5 @@ def _reads_to_the_safe_batch(read: Callable[[int], Trial], trials: tuple[Trial, 
     low = max([min_batch - 1] + [t.batch for t in trials if keeps(t)])
     high = min([max_batch + 1] + [t.batch for t in trials if t.batch > low and not keeps(t)])
     more: list[Trial] = []
-    while high - low > 1 and answers((low + high) // 2):
-        trial = read((low + high) // 2)
-        more.append(trial)
-        low, high = (trial.batch, high) if keeps(trial) else (low, trial.batch)
+    last_kept(lambda batch: keeps(more.append(read(batch)) or more[-1]), low, high, asks=answers)
     return tuple(more)

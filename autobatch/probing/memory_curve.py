@@ -21,7 +21,7 @@ from collections.abc import Callable, Container, Sequence
 
 __all__ = [
     "Curve", "fit_line", "bends_up", "chord_batch", "predict_batch", "crossing", "ladder", "calibrate", "curvature_bound",
-    "quadratic",
+    "quadratic", "last_kept",
 ]
 
 Curve = Callable[[int], float]  # predicted peak bytes at a batch
@@ -126,6 +126,22 @@ def curvature_bound(points: dict[int, int], resident: int, limit: int) -> float:
     q, a, c = max(candidates)
     reach = (-c + math.sqrt(c * c + 4 * q * max(0.0, headroom - a))) / (2 * q)
     return min(chord, max(square, reach))
+
+
+def last_kept(keeps: Callable[[int], bool], low: int, high: int, asks: Callable[[int], bool] = lambda b: True) -> int:
+    """The largest batch in ``[low, high)`` that ``keeps``, by bisection, where ``low`` keeps (or is a floor) and
+    ``high`` does not (or is a ceiling); ``keeps`` holds up to a batch and no further. ``asks(b)`` false stops before
+    asking at ``b``, with the largest kept so far. Each ask may be a trial or a booking: none is asked twice, none
+    outside the bounds (:func:`crossing` gallops up from one bound instead).
+
+    Example:
+        >>> last_kept(lambda b: b * b <= 50, 1, 100)
+        7
+    """
+    while high - low > 1 and asks((low + high) // 2):
+        mid = (low + high) // 2
+        low, high = (mid, high) if keeps(mid) else (low, mid)
+    return low
 
 
 def crossing(curve: Curve, limit: float, lo: int, hi: int) -> int:

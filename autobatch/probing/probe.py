@@ -15,6 +15,7 @@ from ..units import format_bytes, parse_bytes
 from .backends import CudaBackend, MemoryBackend, SimulatedBackend
 from .oom import is_oom_error
 from .heap import frozen_heap
+from .memory_curve import last_kept
 from .preserve import borrowed_model, kept_rng
 from .result import ProbeResult, not_led, trace_record
 from .pending import stopped
@@ -182,10 +183,7 @@ def summarise(trials: tuple[Trial, ...] | list[Trial], max_batch: int, limit: in
     cache = max(cache, 0)
     predicted = predict_batch(phases, None, limit - cache) if growing is not None else None
     if curve is not None:  # bisected on the curve between the trials either side of the limit
-        low, high = floor_, min(ceiling, max_batch) + 1
-        while high - low > 1:
-            low, high = ((low + high) // 2, high) if curve((low + high) // 2) <= limit else (low, (low + high) // 2)
-        predicted = low
+        predicted = last_kept(lambda b: curve(b) <= limit, floor_, min(ceiling, max_batch) + 1)
     safe = floor_ if predicted is None else max(floor_, min(ceiling, predicted))
     safe = min(safe, max_batch)
     if safe in fits:

@@ -77,6 +77,7 @@ __all__ = [
     "hf_flags",
     "lightning_settings",
     "torchrun_command",
+    "launcher_command",
     "accelerate_command",
     # end to end
     "load_model",
@@ -184,6 +185,7 @@ _WHERE: dict[str, tuple[str, str]] = {
     "hf_flags": ("configs", "hf_flags"),
     "lightning_settings": ("configs", "lightning_settings"),
     "torchrun_command": ("configs", "torchrun_command"),
+    "launcher_command": ("configs", "launcher_command"),
     "accelerate_command": ("configs", "accelerate_command"),
     "load_model": ("models", "load_model"),
     "list_models": ("models", "list_models"),

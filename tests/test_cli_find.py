@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -207,20 +208,42 @@ def test_debug_shows_the_traceback_and_does_not_stick():
 def test_find_under_torchrun_runs_as_the_doc_says_every_rank_probes_and_only_rank_0_prints():
     # docs/distributed.md's command as written: one torchrun launch checks what the docs promise
     # and what launched find does (every rank probes, ranks agree, rank 0 alone prints the plan).
-    import re
-    from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
-    line = next(l for l in re.findall(r"```bash\n(.*?)```", doc, re.S)[-1].splitlines() if "-m autobatch find" in l)
-    argv = line.split()
-    argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    assert out.count("plan: ") == 1 and out.count("device: ") == 1  # rank 0 alone prints
+    out = _launched_doc_line("-m autobatch find")
+    assert "torchrun: torchrun --standalone --nproc_per_node 2 train.py" in out and "launcher:" not in out
     plan = re.search(r"plan: (\d+) per GPU × (\d+) accumulation × 2 GPUs \(2 per node × 1 node\) = 64", out)
     assert plan and int(plan.group(1)) * int(plan.group(2)) * 2 == 64
     assert "on 2 rank(s)" in out
     ranks = re.findall(r"^(\d+)\s+\S+\s+cpu \(simulated", out, re.M)  # the table: one row per rank
     assert ranks == ["0", "1"]
+
+
+def test_find_under_the_deepspeed_launcher_takes_its_local_rank_flag_and_names_it_in_the_plan():
+    # The DeepSpeed launcher runs `python -u -m autobatch --local_rank=N find …`: typer refused the flag on
+    # every rank. The docs' line as written, with the launcher itself.
+    pytest.importorskip("deepspeed")
+    import re
+
+    out = _launched_doc_line("--module autobatch find")
+    assert "on 2 rank(s)" in out and re.findall(r"^(\d+)\s+\S+\s+cpu \(simulated", out, re.M) == ["0", "1"]
+    assert "DeepSpeed launcher: deepspeed --num_gpus 2 train.py" in out
+
+
+def _launched_doc_line(marker: str) -> str:
+    """Run docs/distributed.md's line holding ``marker`` as written; its stdout, checked as one report by rank 0."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "docs" / "distributed.md").read_text(), re.S)
+    line = next(l for block in blocks for l in block.splitlines() if marker in l)
+    argv = line.split()
+    argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("plan: ") == 1 and out.count("smallest device of the ranks: ") == 1  # rank 0 alone prints
+    # the ranks' summary once, not again as one device's
+    assert out.count("max batch ") == 1 and out.count("safe batch ") == 1, out
+    return out

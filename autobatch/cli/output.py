@@ -31,10 +31,12 @@ def console(stderr: bool = False) -> Any:
 
 def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | None = None,
                script: str = "train.py", strategy: Any = None, precision: str | None = None,
-               grad_checkpointing: bool = False, probed_zero: dict[str, Any] | None = None) -> list[str]:
-    """The HF, Lightning, torchrun (and accelerate) lines that run ``plan``, one per framework, with the
-    strategy, precision, checkpointing and ZeRO bucket sizes the batch was probed with."""
-    from .. import accelerate_command, hf_flags, lightning_settings, torchrun_command
+               grad_checkpointing: bool = False, probed_zero: dict[str, Any] | None = None,
+               launcher: str | None = None) -> list[str]:
+    """The HF, Lightning, torchrun (and accelerate, and the ``launcher`` the job ran under) lines that run
+    ``plan``, one per framework, with the strategy, precision, checkpointing and ZeRO bucket sizes the batch
+    was probed with."""
+    from .. import accelerate_command, hf_flags, launcher_command, lightning_settings, torchrun_command
 
     lightning = lightning_settings(plan, strategy=strategy, precision=precision, probed_zero=probed_zero)
     trainer = ", ".join(f"{k}={v!r}" for k, v in lightning["trainer"].items())
@@ -46,6 +48,9 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
         + (f"; configure_model: {lightning['configure_model']}" if "configure_model" in lightning else ""),
         f"torchrun: {torchrun_command(plan, script)}",
     ]
+    own = None if launcher is None else launcher_command(plan, script, launcher)
+    if own is not None:  # the launcher this job ran under, as well
+        lines.append(f"{_LAUNCHERS[launcher]}: {own}")
     if accelerate is not None:
         lines.append(f"accelerate: {accelerate_command(plan, script, config_file=accelerate, deepspeed_config_file=deepspeed)}")
     if plan.model_parallel > 1:
@@ -63,6 +68,7 @@ def plan_lines(plan: Any, *, deepspeed: str | None = None, accelerate: str | Non
 
 
 _PURE = {"bf16-true": "torch.bfloat16", "fp16-true": "torch.float16"}
+_LAUNCHERS = {"deepspeed": "DeepSpeed launcher", "slurm": "srun", "mpirun": "mpirun"}
 
 
 def print_plan(plan: Any, *, label: str = "", **launch: Any) -> None:

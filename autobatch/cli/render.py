@@ -40,9 +40,12 @@ def print_report(report: Any, *, as_json: bool) -> None:
 
 
 def _launch(report: Any) -> dict[str, Any]:
+    from .. import rank_env
+
     request = report.request
     return dict(deepspeed=request.deepspeed, accelerate=request.accelerate, script=request.script,
-                strategy=report.strategy, probed_zero=report.probed_zero, **report.training())
+                strategy=report.strategy, probed_zero=report.probed_zero, launcher=rank_env().launcher,
+                **report.training())
 
 
 def device_line(info: Any) -> str:
@@ -163,7 +166,10 @@ def _print_uneven(report: Any) -> None:
 def _print_probe(report: Any) -> None:
     finding = report.finding
     out = console()
-    out.print(device_line(finding.probe.device), highlight=False)
+    line = device_line(finding.probe.device)
+    if finding.ranks_report:  # the device of the rank with the least room, which the answer is for
+        line = line.replace("device:", "smallest device of the ranks:", 1)
+    out.print(line, highlight=False)
     if finding.cached:  # before the trials it shows: they ran earlier, and how that search went
         out.print(cached_line(finding.probe, report.request.trace_prior), highlight=False, markup=False)
     if finding.ranks_report:
@@ -171,7 +177,10 @@ def _print_probe(report: Any) -> None:
     if finding.strategy is not None:
         out.print(strategy_table([finding]))
     out.print(trial_table(finding))
-    out.print(str(finding.probe), highlight=False)
+    if not finding.ranks_report:
+        out.print(str(finding.probe), highlight=False)
+    elif finding.probe.memory_line():  # the rest is the ranks' summary above, as they agreed
+        out.print(finding.probe.memory_line(), highlight=False)
     if report.plan is None:  # a plan per rank only: no uniform plan reaches the target
         out.print(f"uniform plan: none reaches {report.request.target} on these ranks", highlight=False)
         return

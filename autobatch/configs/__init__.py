@@ -23,7 +23,7 @@ from .deepspeed import (
 )
 from .files import read_config, write_config
 from .hf import hf_flags, hf_training_args
-from .launch import accelerate_command, torchrun_command
+from .launch import accelerate_command, launcher_command, torchrun_command
 from .lightning import lightning_settings
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "read_config",
     "read_deepspeed_config",
     "torchrun_command",
+    "launcher_command",
     "write_accelerate_config",
     "write_config",
     "write_deepspeed_config",

@@ -18,7 +18,7 @@ from .accelerate import GRAD_ACCUM_ENV
 if TYPE_CHECKING:
     from ..planning.plan import Plan
 
-__all__ = ["torchrun_command", "accelerate_command"]
+__all__ = ["torchrun_command", "accelerate_command", "launcher_command"]
 
 _SHELL_VARIABLE = re.compile(r"^\$(\w+|\{\w+(:-\w*)?\})$")
 #: The rendezvous port of a multi-node line: the job's ``MASTER_PORT`` where its shell sets one, else torch's default.
@@ -108,4 +108,27 @@ def accelerate_command(
         words += [
             "--machine_rank", machine_rank, "--main_process_ip", main_process_ip, "--main_process_port", main_process_port,
         ]
+    return _join([*words, os.fspath(script), *script_args])
+
+
+def launcher_command(plan: Plan, script: str | os.PathLike[str], launcher: str, script_args: Sequence[str] = ()) -> str | None:
+    """The line that starts the plan's processes under ``launcher`` (``"deepspeed"``, ``"slurm"``, ``"mpirun"``:
+    :func:`~autobatch.rank_env`'s ``launcher``); ``None`` for torchrun's (:func:`torchrun_command`) or another.
+
+    Example:
+        >>> from autobatch.planning.plan import Plan
+        >>> launcher_command(Plan(7, 2, gpus_per_node=8, nodes=2), "train.py", "slurm")
+        'srun --nodes 2 --ntasks-per-node 8 python train.py'
+    """
+    words: list[object]
+    if launcher == "deepspeed":
+        words = ["deepspeed", *(["--hostfile", "hostfile", "--num_nodes", plan.nodes] if plan.nodes > 1 else []),
+                 "--num_gpus", plan.gpus_per_node]
+    elif launcher == "slurm":
+        words = ["srun", "--nodes", plan.nodes, "--ntasks-per-node", plan.gpus_per_node, "python"]
+    elif launcher == "mpirun":
+        words = ["mpirun", "-np", plan.num_processes, "--npernode", plan.gpus_per_node, "-x", "MASTER_ADDR", "-x",
+                 "MASTER_PORT", "python"]
+    else:
+        return None
     return _join([*words, os.fspath(script), *script_args])

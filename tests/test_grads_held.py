@@ -57,3 +57,39 @@ def test_the_command_line_takes_it_and_refuses_it_where_an_engine_keeps_its_own(
     refused = CliRunner().invoke(app, [*args[:-1], "--grads-held", "--strategy", "zero3"])
     assert refused.exit_code == 2 and "Traceback" not in refused.output
     assert "--grads-held holds an unsharded step's gradients into the next forward" in refused.output
+
+
+def _accumulated_peak(request: autobatch.Request, micro: int, accum: int) -> int:
+    """Bytes a plain accumulation loop holds at its peak, counted apart from autobatch's tracker: the model and
+    AdamW's state held, ``accum`` micro-steps whose gradients stay until the step, twice (the state made)."""
+    from tests.independent_tracker import StorageCounter
+
+    workload = autobatch.load_model(request.model).to_workload()
+    model = workload.model if isinstance(workload.model, torch.nn.Module) else workload.model()
+    with StorageCounter() as counter:
+        counter.hold([*model.parameters(), *model.buffers()])
+        optimizer = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            for _ in range(accum):
+                workload.loss_fn(model, workload.make_batch(micro)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return counter.peak
+
+
+def test_a_plan_that_accumulates_is_probed_with_the_gradients_held_and_trains_on_its_budget() -> None:
+    # tiny-mlp on 4 MiB planned 677 × 2 from a probe that freed the gradients: trained so it peaks at 4.11 MiB
+    budget = 4 * 1024**2
+    request = autobatch.Request(model="tiny-mlp", device="cpu", memory=budget, target=1354, headroom=0)
+    notes: list[str] = []
+    report = autobatch.answer(request, on_note=notes.append)
+    plan = report.plan
+    assert report.request.grads_held and any("probed again with them held" in n for n in notes)
+    assert plan.grad_accum > 1 and plan.micro_batch * plan.grad_accum == 1354
+    assert _accumulated_peak(request, report.finding.probe.max_batch, 2) <= budget
+    freed = autobatch.answer(autobatch.Request(model="tiny-mlp", device="cpu", memory=budget, headroom=0))
+    assert freed.finding.probe.max_batch > report.finding.probe.max_batch
+    assert _accumulated_peak(request, freed.finding.probe.max_batch, 2) > budget  # what the plan had been
+    # one micro-step a step holds nothing into a next forward: answered once, as it was
+    whole = autobatch.answer(autobatch.Request(model="tiny-mlp", device="cpu", memory=budget, target=600, headroom=0))
+    assert whole.plan.grad_accum == 1 and not whole.request.grads_held

@@ -8,6 +8,7 @@ the configs are written. ``find`` is its short form for a model in hand.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from ..probing.probe import for_data_parallel, make_backend
 from ..probing.progress import listening
 from ..probing.workload import default_loss
 from ..strategy import SIZE_BASED_MIN_PARAMS
+from .held import HELD_NOTE, held_again
 from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus, uneven_plan
 from .report import Report
 from .request import Request
@@ -89,10 +91,11 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
             if chosen.is_fsdp and chosen.unit is None:
                 note(SIZE_NOTE.format(strategy=chosen.name))
         return _written(Report(request, plan), into=written, notes=notes)
-    if request.mode == "estimate":
-        report = _estimate(request, note, on_trial)
-    else:
-        report = _probe(request, note, on_trial)
+    report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
+    if held_again(request, report):  # its micro-steps hold the gradients the trials freed
+        note(HELD_NOTE.format(accum=report.plan.grad_accum))
+        request = replace(request, grads_held=True)
+        report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
     if not report.main_rank:
         return _found_under(report)
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):

@@ -324,3 +324,14 @@ def test_docstring_examples_run() -> None:
     import importlib
 
     assert doctest.testmod(importlib.import_module("autobatch.checking.accumulation")).failed == 0
+
+
+@pytest.mark.parametrize("micro, groups", [(1, 2), (2, 2), (1, 4), (2, 4), (3, 2)])
+def test_micro_batches_of_a_padded_batch_never_all_hold_the_same_tokens(micro, groups):
+    # One shuffle in three paired lengths 2 with 64 and 23 with 43: equal token counts, and a naive loss passed
+    for seed in range(60):
+        batch = padded_lm_batch(micro * groups, 64, 50, seed=seed, groups=groups)
+        tokens = [int(m["attention_mask"].sum()) for m in split_batch(batch, micro)]
+        assert len(set(tokens)) > 1, (seed, tokens)
+    alike = padded_lm_batch(4, 2, 50, groups=2)  # every length 2: nothing can tell the parts apart
+    assert alike["attention_mask"].sum(1).tolist() == [2, 2, 2, 2]

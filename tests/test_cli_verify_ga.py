@@ -142,3 +142,18 @@ def test_docs_command(registry: None, command: str) -> None:
         assert "mean of means" in out
     elif code == 3:
         assert "BatchNorm" in out and "by design" in out
+
+
+@pytest.mark.parametrize("seed", ["0", "12345", "-5"])
+def test_the_naive_loss_fails_whatever_the_seed(seed: str) -> None:
+    # seeds 12345 and -5 paired the lengths so that both micro-batches held 64 tokens: a naive loss passed
+    code, out = run("--model", "tiny-gpt2", "--micro-batch", "2", "--grad-accum", "2", f"--seed={seed}")
+    assert code == 1 and "verify-ga: FAIL" in out and "mean of means" in out, out
+
+
+def test_micro_batches_that_all_hold_the_same_tokens_are_flagged_not_passed() -> None:
+    # at --seq-len 2 every sequence has 2 tokens: a mean of means is the whole mean, so no loss can be told apart
+    code, out = run("--model", "tiny-gpt2", "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "2")
+    assert code == 3 and "verify-ga: FLAGGED" in out and "cannot tell a per-micro-batch loss" in out, out
+    code, out = run("--model", "tiny-gpt2", "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "2", "--normalised")
+    assert code == 0 and "verify-ga: PASS" in out, out  # the right loss passes: nothing to flag

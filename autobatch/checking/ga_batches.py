@@ -76,11 +76,14 @@ def padded_lm_batch(
     seed: int = 0,
     min_len: int = 2,
     pad_token_id: int = 0,
+    groups: int = 1,
 ) -> dict[str, torch.Tensor]:
     """A language-model batch of right-padded sequences whose lengths differ widely.
 
     Lengths are spread evenly from ``min_len`` to ``seq_len`` and shuffled, so micro-batches
-    hold very different numbers of tokens and a mean of means is visible.
+    hold very different numbers of tokens and a mean of means is visible. Split into ``groups``
+    equal micro-batches in order, they never all hold the same number of tokens where the lengths
+    differ at all (a shuffle that pairs 2 with 64 and 23 with 43 would hide a mean of means).
 
     Returns:
         ``{"input_ids", "attention_mask", "labels"}``, each ``(batch_size, seq_len)``; labels
@@ -96,12 +99,26 @@ def padded_lm_batch(
                              f"{max(2, min_len)} up), but got seq_len={seq_len}")
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.linspace(min_len, seq_len, batch_size).round().long()
-    lengths = lengths[torch.randperm(batch_size, generator=gen)]
+    lengths = _uneven_groups(lengths[torch.randperm(batch_size, generator=gen)], groups)
     ids = torch.randint(1 if pad_token_id == 0 else 0, vocab_size, (batch_size, seq_len), generator=gen)
     mask = torch.arange(seq_len)[None, :] < lengths[:, None]
     ids = torch.where(mask, ids, torch.full_like(ids, pad_token_id))
     labels = torch.where(mask, ids, torch.full_like(ids, -100))
     return {"input_ids": ids, "attention_mask": mask.long(), "labels": labels}
+
+
+def _uneven_groups(lengths: torch.Tensor, groups: int) -> torch.Tensor:
+    """``lengths`` with two entries swapped where its ``groups`` consecutive equal parts would all sum alike:
+    the first of the first part with the first entry of another part that differs from it."""
+    size = len(lengths) // groups if groups > 0 and len(lengths) % groups == 0 else 0
+    if size == 0 or groups == 1 or len(set(lengths.view(groups, size).sum(1).tolist())) > 1:
+        return lengths
+    other = next((j for j in range(size, len(lengths)) if lengths[j] != lengths[0]), None)
+    if other is None:
+        return lengths  # every part is alike: nothing tells them apart
+    lengths = lengths.clone()
+    lengths[[0, other]] = lengths[[other, 0]]
+    return lengths
 
 
 def _takes_attention_mask(model: torch.nn.Module) -> bool:

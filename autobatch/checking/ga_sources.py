@@ -61,7 +61,7 @@ def _verify_source(source: Any, global_batch: int, *, micro_batch: int, grad_acc
     task = getattr(source, "task", None)
     vocab, seq_len = getattr(source, "vocab_size", None), getattr(source, "seq_len", None)
     if task in ("causal-lm", "masked-lm") and vocab and seq_len:
-        batch = padded_lm_batch(global_batch, seq_len, vocab, seed=seed)
+        batch = padded_lm_batch(global_batch, seq_len, vocab, seed=seed, groups=global_batch // micro_batch)
         return verify_ga(source.model, batch, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
                          token_loss_fn=lm_token_loss(shift=task == "causal-lm"), mode=mode, tolerance=tolerance,
                          seed=seed)

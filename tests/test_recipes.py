@@ -33,6 +33,8 @@ EXPECTED: dict[str, tuple[tuple[str, ...], list[str]]] = {
     "accelerate_loop": (("accelerate",), ["# 128 micro batch * 4 grad accum * 1 process(es) = 512 samples per step",
                                        "done: 3 optimizer steps"]),
     "deepspeed_config": (("deepspeed",), ["7 per GPU × 2 accumulation × 16 GPUs (16 per node × 1 node) = 224",
+                                       # the template's 500M-element buckets, which the batch was found with
+                                       "memory ≈ 1.93 GiB + ",
                                        "deepspeed accepts it on 16 ranks: 7 micro × 2 accumulation × 16 = 224, ZeRO stage 2"]),
     "lightning_autobatch": (("lightning",), ["max batch 111 (limited by memory), found in 6 trials",
                                              "# 64 batch size * 4 accumulate_grad_batches * 1 devices = 256 samples per step",

@@ -319,6 +319,9 @@ def _built(spec: str, seq_len: int | None, input_shape: str | tuple[int, ...] | 
         return _lm_source(spec, _hf_config(builtin), builtin.family, seq_len, builtin.seq_len, attention=attention)
     if spec.startswith("hf:"):
         name = spec[3:]
+        if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+            raise AutobatchError(f"hf:{name} names a local directory, which must hold a transformers config.json, "
+                                 f"but {name!r} is no directory; check the path (or name a hub model, e.g. hf:gpt2)")
         tf = import_transformers()
         try:
             config = tf.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import AutobatchError, option
 
-__all__ = ["Strategy", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies", "as_strategy",
+__all__ = ["Strategy", "strategy_problems", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies", "as_strategy",
            "strategy_from_deepspeed", "strategy_from_accelerate", "fsdp_sharding", "FSDP_SHARDINGS"]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
@@ -293,3 +293,28 @@ def fsdp_sharding(config: Mapping[str, Any]) -> tuple[str, str] | None:
                 return FSDP_SHARDINGS[int(value) - 1], key
             return (value, key) if value in FSDP_SHARDINGS else None
     return "FULL_SHARD", "fsdp_reshard_after_forward"
+
+
+def strategy_problems(strategies: Any, *, grads_held: bool = False, dtype: str = "fp32", probed: bool = False,
+                      deepspeed: Any = None) -> list[str]:
+    """What no trial of ``strategies`` could answer, each as one line, before the first: gradients held where an
+    engine keeps its own, pure low-precision weights under DeepSpeed, a DeepSpeed file for FSDP, and a ZeRO probe
+    (``probed``) without deepspeed installed (the rows before it ran for nothing, then the command failed)."""
+    import importlib.util
+
+    problems = []
+    if grads_held and any(s.name != "ddp" for s in strategies):
+        problems.append(f"{option('grads_held')} holds an unsharded step's gradients into the next forward; FSDP "
+                        f"and ZeRO keep theirs as their engines do: drop it, or compare with {option('strategy')} ddp")
+    if dtype.lower().endswith("-true") and any(s.is_deepspeed for s in strategies):
+        problems.append(f"{option('dtype')} {dtype} trains pure low-precision weights, but DeepSpeed keeps fp32 "
+                        f"master weights beside them; use {option('dtype')} {dtype[:4]} with ZeRO")
+    fsdp = [s.name for s in strategies if s.is_fsdp]
+    if deepspeed is not None and fsdp:
+        problems.append(f"{option('deepspeed')} writes a DeepSpeed config, which trains with ZeRO (zero1, zero2, zero3) "
+                        f"or plain data parallelism (ddp), but the plan is for {', '.join(fsdp)}; drop "
+                        f"{option('deepspeed')}, or plan for a ZeRO strategy")
+    if probed and any(s.is_deepspeed for s in strategies) and importlib.util.find_spec("deepspeed") is None:
+        problems.append("probing a ZeRO strategy needs deepspeed, which is not installed; "
+                        "pip install 'autobatch[deepspeed]'")
+    return problems

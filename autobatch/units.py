@@ -26,6 +26,9 @@ def parse_bytes(text: str | int | float, *, zero: bool = False) -> int:
     (2147483648, 1610612736, 500000000, 0)
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if isinstance(text, float) and not text.is_integer():  # 1.5 was taken as 1 byte
+            raise AutobatchError(f"memory as a number is whole bytes, but got {text!r}; write a size with its unit "
+                                 "as text, e.g. '1.5GiB'")
         value, unit = float(text), ""
     else:
         match = _PATTERN.match(str(text))

@@ -80,6 +80,20 @@ def test_numbers_at_the_bound_still_answer():
      "--tolerance must be a positive finite number, but got --tolerance inf"),
     (["tune", "--model", "tiny-mlp", "--target", "8", "--device", "cpu", "--memory", "1MiB", "--seed", "-1"],
      "--seed must be ≥ 0"),
+    # a count that would plan 10**14 ranks one by one (it took the host's memory)
+    (["estimate", "--model", "tiny-mlp", "--gpu", "a100-80gb:99999999999999"],
+     "names 99,999,999,999,999 GPUs, but a mixed list plans each rank and takes at most 1,048,576"),
+    # past the largest batch a probe tries: torch's overflow traceback, or the host's RAM blamed on --memory
+    (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--min-micro", str(2**64 - 1)],
+     "--min-micro must be at most 1,048,576 (the largest batch a probe tries)"),
+    (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--min-micro", "100000000"],
+     "--min-micro must be at most 1,048,576"),
+    # an empty length between commas was dropped silently
+    (["find", "--model", "tiny-gpt2", "--seq-len", "32,,64", "--device", "cpu", "--memory", "8MiB"],
+     "--seq-len must be one positive integer or several separated by commas, but got '32,,64'"),
+    # a missing local folder was read as a hub name: "Repo id must use alphanumeric chars"
+    (["find", "--model", "hf:./no-such-dir", "--device", "cpu", "--memory", "1GiB"],
+     "hf:./no-such-dir names a local directory, which must hold a transformers config.json, but './no-such-dir' is no"),
 ])
 def test_values_that_describe_nothing_here_are_refused(args, said):
     assert said in one_line(invoke(*args))

@@ -62,6 +62,20 @@ def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
     res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
                  "--strategy", "fsdp2", "--max-batch", "2", "--deepspeed", str(ds))
     assert res.exit_code == 2 and "the plan is for fsdp2" in res.output
+    assert "max batch" not in res.output  # refused before the first trial, not after the probe
+
+
+def test_a_zero_row_without_deepspeed_installed_is_refused_before_any_row_runs(monkeypatch):
+    # the ddp row ran first, then the zero2 row failed the whole command and the ddp answer was lost
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+    res = invoke("find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB", "--gpus", "2",
+                 "--strategy", "ddp,zero2", "--max-micro", "2")
+    assert res.exit_code == 2 and "probing a ZeRO strategy needs deepspeed, which is not installed" in res.output
+    assert "max batch" not in res.output
+    assert invoke("solve", "--target", "8", "--gpus", "2", "--strategy", "zero2").exit_code == 0  # a plan alone needs none
 
 
 def test_check_takes_a_misspelt_strategy_as_a_usage_error():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -51,6 +52,17 @@ def test_every_problem_is_found_on_construction_in_python_names():
                  "--deepspeed must end in .json"):
         assert said in message, message
     assert len(caught.value.problems) == 7
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("memory", 1.5, "memory must be a positive size (2GiB, 512MiB), but got 1.5"),  # it was taken as 1 byte
+    ("headroom", "2", "headroom must be a fraction in [0, 1) (0.05), a percentage (5%) or a size (2GiB), but got '2'"),
+])
+def test_python_refuses_what_the_command_line_refuses(field, value, said):
+    # the command line refused --headroom 2 and needs a unit on --memory; Python took both as bytes
+    with pytest.raises(RequestError, match=re.escape(said)):
+        Request(**{"model": "tiny-mlp", "device": "cpu", "memory": "8MiB", field: value})
+    assert Request(model="tiny-mlp", device="cpu", memory=4096.0, headroom=0.05).memory == 4096.0  # whole bytes
 
 
 def test_the_cli_names_the_same_problems_by_their_flags():
@@ -161,9 +173,11 @@ def test_answer_draws_a_length_table_from_python():
 
 def test_find_json_is_the_reports(monkeypatch, tmp_path):
     monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path))
+    # the trials alone: a trace run beside them leads a search as far as it got by then, which load decides
     flags = ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "8MiB", "--target", "32", "--no-cache",
-             "--max-micro", "16"]
-    report = answer(Request(model="tiny-mlp", device="cpu", memory="8MiB", target=32, cache=False, max_micro=16))
+             "--max-micro", "16", "--no-trace-prior"]
+    report = answer(Request(model="tiny-mlp", device="cpu", memory="8MiB", target=32, cache=False, max_micro=16,
+                            trace_prior=False))
     assert steady(cli_json(*flags)) == steady(report.to_dict())
 
 

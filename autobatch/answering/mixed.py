@@ -26,6 +26,11 @@ FALLBACK_NOTE = ("DeepSpeed's JSON, accelerate's and HF's settings hold one micr
                  "and for autobatch.training.UnevenBatchSampler")
 
 
+#: The most GPUs a mixed ``--gpu`` list may name: its plan is one per rank (a count past it ran for minutes and
+#: took the host's memory).
+MIXED_RANKS = 1 << 20
+
+
 def mixed_gpus(request: Request) -> tuple[tuple[Any, int], ...] | None:
     """The cards of an estimate for a mixed ``--gpu`` list, in rank order; ``None`` for one card."""
     from ..estimating.gpus import gpu_mix
@@ -48,6 +53,9 @@ def gpu_problems(request: Request) -> list[str]:
         return [str(exc)]
     problems = []
     world = sum(n for _, n in mix)
+    if world > MIXED_RANKS:  # each rank is planned, one by one
+        return [f"{option('gpu')} {request.gpu} names {world:,} GPUs, but a mixed list plans each rank and takes at most "
+                f"{MIXED_RANKS:,}; name the counts of the job's cards (e.g. a100-80gb:512,v100-32gb:256)"]
     if request.gpus_per_node is not None and request.gpus_per_node * request.nodes != world:
         problems.append(f"{option('gpu')} {request.gpu} names {world} GPUs, but {option('gpus_per_node')} "
                         f"{request.gpus_per_node} × {option('nodes')} {request.nodes} is "

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import AutobatchError, RequestError, option
-from ..strategy import Strategy, parse_strategies
+from ..strategy import Strategy, parse_strategies, strategy_problems
 from .mixed import gpu_problems, mixed_gpus, uneven_problems
 from .sizes import budgets_of, per_rank_problems, size_problems, unit_problems
 
@@ -259,6 +259,7 @@ class Request:
 
     def _check_limits(self, problems: list[str]) -> None:
         from ..probing.probe import resolve_headroom
+        from ..probing.search import HARD_MAX_BATCH
 
         if self.micro_batch is not None and self.model is not None:
             problems.append(f"{option('micro_batch')} fixes the micro batch of a plan alone, but a probe measures it; "
@@ -266,6 +267,9 @@ class Request:
         if self.micro_batch is not None and (self.max_micro is not None or self.min_micro is not None):
             problems.append(f"{option('micro_batch')} fixes the micro batch, so {option('max_micro')} and "
                             f"{option('min_micro')} have nothing to limit; pass {option('micro_batch')} alone")
+        if self.model is not None and self.min_micro is not None and self.min_micro > HARD_MAX_BATCH:
+            problems.append(f"{option('min_micro')} must be at most {HARD_MAX_BATCH:,} (the largest batch a probe "
+                            f"tries), but got {self.min_micro}; give the smallest micro batch the model trains at")
         if self.min_micro is not None and self.max_micro is not None and self.max_micro < self.min_micro:
             problems.append(f"{option('max_micro')} ({self.max_micro}) must be at least {option('min_micro')} "
                             f"({self.min_micro}); raise {option('max_micro')} or lower {option('min_micro')}")
@@ -323,12 +327,8 @@ class Request:
             problems.append(f"{' and '.join(option(n) for n in given)} describe{'s' if len(given) == 1 else ''} a "
                             f"sharded strategy, but no {option('strategy')} was given; add {option('strategy')} "
                             f"{'zero3' if given == ['offload'] else 'fsdp2'}")
-        if self.grads_held and any(s.name != "ddp" for s in strategies or ()):
-            problems.append(f"{option('grads_held')} holds an unsharded step's gradients into the next forward; FSDP "
-                            f"and ZeRO keep theirs as their engines do: drop it, or compare with {option('strategy')} ddp")
-        if str(self.dtype).lower().endswith("-true") and any(s.is_deepspeed for s in strategies or ()):
-            problems.append(f"{option('dtype')} {self.dtype} trains pure low-precision weights, but DeepSpeed keeps fp32 "
-                            f"master weights beside them; use {option('dtype')} {str(self.dtype)[:4]} with ZeRO")
+        problems.extend(strategy_problems(strategies or (), grads_held=self.grads_held, dtype=str(self.dtype),
+                                          probed=self.model is not None, deepspeed=self.deepspeed))
         lengths = self.lengths
         if lengths is not None and any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
                                        for s in lengths):

@@ -278,8 +278,9 @@ def parse_seq_lens(text: str | None) -> tuple[int, ...] | None:
     """``"256,512,1024"`` → ``(256, 512, 1024)``; ``None`` stays ``None``."""
     if text is None:
         return None
-    try:
-        lengths = [int(part) for part in text.split(",") if part.strip()]
+    parts = text.split(",")
+    try:  # an empty part ("32,,64", "64,") is a typo, not a length left out
+        lengths = [int(part) for part in parts] if all(part.strip() for part in parts) else []
     except ValueError:
         lengths = []
     if not lengths or min(lengths) < 1:

@@ -128,6 +128,9 @@ def resolve_headroom(headroom: float | int | str, capacity: int) -> int:
     """Headroom in bytes, from a fraction of capacity (``0.05``, ``"5%"``) or a size (``"2GiB"``)."""
     if isinstance(headroom, str) and headroom.strip().endswith("%"):
         headroom = float(headroom.strip()[:-1]) / 100
+    elif isinstance(headroom, str) and headroom.strip().replace(".", "", 1).isdigit():  # "2": 2 bytes, or 2 %?
+        raise AutobatchError(f"headroom as text needs its unit or a % sign, but got {headroom!r}; write e.g. '5%', "
+                             "'2GiB', or the fraction 0.05 as a number")
     if isinstance(headroom, float) or (isinstance(headroom, int) and headroom == 0):
         if not 0 <= headroom < 1:
             raise AutobatchError(

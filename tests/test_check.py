@@ -504,3 +504,34 @@ def test_an_accelerate_topology_that_does_not_add_up_gives_no_world_to_check_the
     assert codes(flagged) == ["accelerate-topology"]  # 4 per node × 2 machines: 96 = 4 × 3 × 8 holds
     wrong = check_setup(target=96, micro_batch=4, grad_accum=4, gpus_per_node=4, accelerate=acc)
     assert codes(wrong) == ["accelerate-topology", "batch-identity"]
+
+
+def test_a_whole_float_deepspeed_reads_as_its_number_is_a_note_but_a_float_micro_batch_is_a_problem(tmp_path):
+    need("deepspeed")
+    whole = {"train_batch_size": 64.0, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1.0}
+    parsed = deepspeed_parse(whole, 8)  # DeepSpeed's own parser takes it, as 64
+    assert parsed.train_batch_size == 64
+    result = check_setup(gpus_per_node=8, deepspeed=str(write_json(tmp_path / "ds.json", whole)))
+    assert result.ok, result.problems
+    assert any("train_batch_size is 64.0 in" in n and "reads it as 64" in n for n in result.notes)
+    floated = {**whole, "train_micro_batch_size_per_gpu": 8.0}  # a DataLoader refuses batch_size=8.0
+    result = check_setup(gpus_per_node=8, deepspeed=str(write_json(tmp_path / "micro.json", floated)))
+    assert codes(result) == ["invalid-value"] and "train_micro_batch_size_per_gpu" in result.problems[0].message
+    assert check_setup(gpus_per_node=8, deepspeed=str(write_json(tmp_path / "half.json", {**whole, "train_batch_size": 64.5}))).problems
+
+
+def test_a_model_parallel_fix_counts_data_parallel_ranks_not_gpus():
+    result = check_setup(target=224, micro_batch=7, grad_accum=2, gpus_per_node=16, model_parallel=2)
+    assert "for a global batch of 224 on 8 data-parallel ranks (16 GPUs ÷ 2 model-parallel)" in result.problems[0].fix
+
+
+def test_a_refused_key_is_to_move_into_the_deepspeed_file_being_checked(tmp_path):
+    # the fix named the file accelerate's config pointed at, which the mismatch above it says to replace
+    ds = write_json(tmp_path / "ds_auto.json", {"train_batch_size": "auto", "zero_optimization": {"stage": 2}})
+    acc = tmp_path / "acc.yaml"
+    acc.write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "num_processes": 2, "mixed_precision": "bf16",
+                                   "deepspeed_config": {"deepspeed_config_file": "ds_old.json",
+                                                        "gradient_accumulation_steps": 4}}))
+    result = check_setup(accelerate=str(acc), deepspeed=str(ds))
+    refused = next(p for p in result.problems if p.code == "accelerate-refuses")
+    assert refused.fix.endswith(f"and set them in {ds}") and "ds_old.json" not in refused.fix

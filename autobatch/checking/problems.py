@@ -141,6 +141,10 @@ class _Collector:
         if value is None:
             return None
         where = f" in {source}" if source else ""
+        if (source and isinstance(value, float) and value.is_integer() and value >= 1
+                and name != "train_micro_batch_size_per_gpu"):  # a DataLoader refuses a float batch size
+            self.note(f"{name} is {value!r} in {source}: DeepSpeed reads it as {int(value)}; write {int(value)}")
+            value = int(value)
         try:
             number = require_positive_int(name, value)
         except AutobatchError:
@@ -181,17 +185,17 @@ def _fix_for(target: int, gpus: int, nodes: int, mp: int, min_micro: int) -> str
         return "use numbers whose product is below 2**64"
     plans = exact_plans(target, gpus, nodes, min_micro=min_micro, model_parallel=mp)
     if plans:
-        return (
-            f"for a global batch of {target} on {plans[0].world_size} GPU{'s' if plans[0].world_size != 1 else ''} "
-            "use micro batch × accumulation = "
-            f"{_pairs_text(plans)}"
-        )
+        ranks = plans[0].world_size
+        where = (f"{ranks} GPU{'s' if ranks != 1 else ''}" if mp == 1 else
+                 f"{ranks} data-parallel rank{'s' if ranks != 1 else ''} ({gpus * nodes} GPUs ÷ {mp} model-parallel)")
+        return f"for a global batch of {target} on {where} use micro batch × accumulation = {_pairs_text(plans)}"
     try:
         solve(target, gpus, nodes, min_micro=min_micro, model_parallel=mp)
     except NoExactPlanError as exc:
         near = f"{exc.below} or {exc.above}" if exc.below is not None else str(exc.above)
         sizes = f", or a world size of {', '.join(map(str, exc.world_sizes))}" if exc.world_sizes else ""
-        return f"use a global batch of {near} on {exc.world_size} GPUs{sizes}"
+        ranks = f"{exc.world_size} GPUs" if mp == 1 else f"{exc.world_size} data-parallel ranks"
+        return f"use a global batch of {near} on {ranks}{sizes}"
     return "re-run autobatch solve for this topology"  # unreachable: no plans means solve raises
 
 

@@ -328,7 +328,9 @@ def _accelerate_deepspeed(c: _Collector, label: str, acc: dict[str, Any], ds_lab
             "accelerate-refuses",
             f"accelerate refuses {', '.join(refused)} next to deepspeed_config_file, but {label} sets "
             f"{'it' if len(refused) == 1 else 'them'}",
-            f"remove {', '.join(refused)} from {label} and set {'it' if len(refused) == 1 else 'them'} in {ds_file}",
+            # in the DeepSpeed file being checked, which the file named is to be (a mismatch is said apart)
+            f"remove {', '.join(refused)} from {label} and set {'it' if len(refused) == 1 else 'them'} in "
+            f"{ds_label or ds_file}",
             keys=refused,
         )
     if ds is not None and ZERO_OPTIMIZATION not in ds:

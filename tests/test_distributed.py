@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,25 @@ def test_rank_env_reports_every_bad_variable_at_once() -> None:
         rank_env({"RANK": "x", "WORLD_SIZE": "2", "MASTER_PORT": "p"})
     with pytest.raises(ConfigError, match="RANK must be below WORLD_SIZE \\(2\\), but got RANK=2"):
         rank_env({"RANK": "2", "WORLD_SIZE": "2"})
+    for port in ("0", "70000"):  # no TCP port: the rendezvous failed later as ranks that "did not come"
+        with pytest.raises(ConfigError, match=f"MASTER_PORT must be a TCP port, from 1 to 65535, but got MASTER_PORT={port}"):
+            rank_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": port})
+
+
+def test_a_port_another_process_holds_is_named_as_such_not_as_ranks_that_never_came() -> None:
+    import socket
+
+    from autobatch.distributed.launch import process_group
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        with mock.patch.dict(os.environ, env), pytest.raises(AutobatchError) as raised:
+            with process_group("gloo", timeout_s=5):
+                pass
+    assert f"could not listen at 127.0.0.1:{port}" in str(raised.value) and "another process holds that port" in str(raised.value)
 
 
 def test_worker_processes_see_no_gpu_so_they_run_gloo_on_simulated_budgets() -> None:
@@ -270,3 +290,26 @@ def test_probe_distributed_needs_a_process_group() -> None:
 
 if __name__ == "__main__":
     {"budgets": _case_budgets, "error": _case_error}[sys.argv[1]](Path(sys.argv[2]))
+
+
+def test_a_fence_whose_store_is_gone_stops_watching_without_a_thread_traceback() -> None:
+    # a hung rank's log got "Exception in thread … DistNetworkError: Connection reset by peer" from the watcher
+    import threading
+
+    from autobatch.distributed.fence import TrialFence
+
+    class Gone:
+        def check(self, keys):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    fence = TrialFence.__new__(TrialFence)
+    fence._stop, fence._store, fence.key = threading.Event(), Gone(), "fence/0"
+    seen: list[BaseException] = []
+    hook, threading.excepthook = threading.excepthook, lambda args: seen.append(args.exc_value)
+    try:
+        watcher = threading.Thread(target=fence._watch)
+        watcher.start()
+        watcher.join(5)
+    finally:
+        threading.excepthook = hook
+    assert not watcher.is_alive() and seen == []

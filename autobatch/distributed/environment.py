@@ -153,6 +153,9 @@ def rank_env(environ: Mapping[str, str] | None = None) -> RankEnv:
         job = env.get("SLURM_JOB_ID", "")
         if port is None and job.isdigit():
             port = _SLURM_PORT_BASE + int(job[-4:])
+    if port is not None and not 0 < port < 65536:
+        problems.append(f"MASTER_PORT must be a TCP port, from 1 to 65535, but got MASTER_PORT={port}; "
+                        "export a free port, the same on every rank")
     if world is not None and world < 1:
         problems.append(f"{world_name} must be at least 1, but got {world_name}={world}")
     elif rank is not None and world is not None and rank >= world:

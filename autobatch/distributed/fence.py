@@ -137,7 +137,11 @@ class TrialFence:
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):
-            if self._store.check([self.key]):
+            try:
+                failed = self._store.check([self.key])
+            except Exception:  # noqa: BLE001 - the store is gone (rank 0 left): the main thread reports it
+                return  # a traceback from this thread would only bury that one line
+            if failed:
                 for group in self._trial_groups():
                     if dist.get_backend(group) == "nccl":
                         group.abort()  # the collectives blocked in it raise

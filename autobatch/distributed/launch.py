@@ -145,6 +145,9 @@ def process_group(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
 def _not_joined(env: RankEnv, addr: str, port: Any, timeout_s: float, exc: Exception) -> str:
     """The one line for a rendezvous the other ranks never reached within ``timeout_s``."""
     first = (str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__).rstrip(".")
+    if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+        return (f"rank {env.rank} could not listen at {addr}:{port} for the job's {env.world_size} ranks: another "
+                "process holds that port; export another MASTER_PORT, free and the same on every rank")
     joined = re.search(r"(\d+)/(\d+) clients joined", first)
     seen = f" ({joined.group(1)} of {joined.group(2)} joined)" if joined else ""
     where = {"slurm": "run it as a task of the job step (`srun autobatch …` in the batch script: the batch script "

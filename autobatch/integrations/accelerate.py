@@ -62,7 +62,7 @@ from ..probing.oom import is_oom_error, oom_message
 from ..probing.heap import frozen_heap
 from ..probing.search import SearchOutcome, search_max
 from ..probing.trial import Trial
-from ._common import world
+from ._common import log_main, world
 from .accelerate_trials import TrialStop, clear_device, default_backend, run_trial_of, stateful
 
 __all__ = ["find_executable_batch_size", "NoExecutableBatchSizeError", "TrialStop", "guard"]
@@ -149,7 +149,7 @@ def find_executable_batch_size(
                 batch = decorator.plan.micro_batch
                 if accelerator is not None:
                     accelerator.gradient_accumulation_steps = decorator.plan.grad_accum
-                log.info("autobatch: %s", decorator.plan)
+                log_main(log, "autobatch: %s", decorator.plan)  # every rank holds it
             decorator.batch_sizes.append(batch)
             clear_device()
             line = None
@@ -193,12 +193,12 @@ def find_executable_batch_size(
                     raise NoExecutableBatchSizeError(f"even a batch of 1 runs out of memory ({len(outcome.trials)} trials)")
                 cap = outcome.max_batch
                 decorator.found[key] = cap
-                log.info("autobatch: the largest batch that trains is %d (%d trials: %s)", cap, len(outcome.trials),
+                log_main(log, "autobatch: the largest batch that trains is %d (%d trials: %s)", cap, len(outcome.trials),
                          ", ".join(f"{t.batch}{'✓' if t.fits else '✗'}" for t in outcome.trials))
                 if cap in finished and target is None:
                     # The trial at the answer ran the whole function (one with no optimizer step, or
                     # fewer than ``steps``): that call was the run, and its result is the answer's.
-                    log.info("autobatch: the function finished within its trial at batch %d", cap)
+                    log_main(log, "autobatch: the function finished within its trial at batch %d", cap)
                     return finished[cap]
             else:
                 cap = reduce_batch_size_fn() if reduce_batch_size_fn is not None else int(batch * 0.9)

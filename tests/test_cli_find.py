@@ -162,7 +162,12 @@ def test_models_lists_builtins_with_parameter_counts():
     rows = {row["name"]: row for row in json.loads(res.stdout)}
     assert rows["gpt2"]["parameters"] == 124_439_808
     assert {"gpt2-medium", "gpt2-large", "gpt2-xl", "llama-1b", "bert-base"} <= set(rows)
-    assert invoke("models").exit_code == 0
+    table = invoke("models")
+    assert table.exit_code == 0
+    # each count in its own unit: the tiny models showed as 0.0M
+    assert "0.0M" not in table.stdout and "124.4M" in table.stdout and "1.2B" in table.stdout
+    tiny = rows["tiny-mlp"]["parameters"]
+    assert f"{tiny / 1e3:.1f}K" in table.stdout
 
 
 def test_python_api_in_three_lines_leaves_the_model_unchanged():

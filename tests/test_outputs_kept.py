@@ -172,3 +172,15 @@ def test_a_comment_sign_inside_a_quoted_string_is_no_comment(tmp_path):
                                      "--accelerate", str(acc)])
     assert again.exit_code == 0, again.output
     assert (tmp_path / "acc.yaml.orig").read_text().endswith("# the head node\n")
+
+
+def test_a_commented_deepspeed_file_keeps_its_numbers_as_written(tmp_path):
+    # read through hjson, "gradient_clipping": 1.0 came back as 1 while the line said it was kept as it was
+    ds = tmp_path / "ds.json"
+    ds.write_text('{\n  // ours\n  "gradient_clipping": 1.0, /* clip */ "lr": 3e-4,\n  "note": "a // b # c",\n'
+                  '  "train_batch_size": "auto", "zero_optimization": {"stage": 0}\n}\n')
+    result = CliRunner().invoke(app, ["solve", "--target", "16", "--max-micro", "8", "--deepspeed", str(ds)])
+    assert result.exit_code == 0, result.output
+    written = ds.read_text()
+    assert '"gradient_clipping": 1.0' in written and '"lr": 0.0003' in written and '"note": "a // b # c"' in written
+    assert json.loads(written)["train_batch_size"] == 16 and (tmp_path / "ds.json.orig").exists()

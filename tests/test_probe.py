@@ -105,6 +105,13 @@ def test_max_batch_cap_is_reported():
     result = probe(lm_workload(), SimulatedBackend("64MiB"), max_batch=10)
     assert result.max_batch == 10 and result.limited_by == "max_batch"
     assert "limited by the --max-micro / max_batch= cap" in str(result)
+    # with no cap given, the probe's own: named as its own, not as a --max-micro the user never passed
+    import dataclasses
+
+    from autobatch.probing.search import HARD_MAX_BATCH
+
+    own = dataclasses.replace(result, max_batch=HARD_MAX_BATCH, safe_batch=HARD_MAX_BATCH)
+    assert "limited by the probe's own cap, as memory never ran out" in str(own) and "--max-micro / max_batch= cap)" not in str(own)
 
 
 def test_nothing_fits_is_one_clear_error():

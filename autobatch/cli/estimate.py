@@ -109,5 +109,13 @@ def models_command(as_json: AsJson = False) -> None:
     for column in ("name", "parameters", "seq len", "description"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["name"], f"{row['parameters'] / 1e6:,.1f}M", str(row["seq_len"] or "-"), row["description"])
+        table.add_row(row["name"], _count(row["parameters"]), str(row["seq_len"] or "-"), row["description"])
     console().print(table)
+
+
+def _count(parameters: int) -> str:
+    """A parameter count as people write it: 124.4M, 1.2B, 86.5K (a tiny model's were all 0.0M)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if parameters >= size:
+            return f"{parameters / size:,.1f}{unit}"
+    return str(parameters)

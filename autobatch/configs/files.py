@@ -52,12 +52,46 @@ def _parse_json(text: str) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as error:
-        # DeepSpeed also reads hjson (JSON with comments); accept it when that library is installed.
+        try:  # JSON with comments, as DeepSpeed reads it: numbers kept as written (hjson reads 1.0 as 1)
+            return json.loads(_uncommented(text), object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError:
+            pass
+        # DeepSpeed reads hjson (unquoted keys, trailing commas); accept it when that library is installed.
         try:
             import hjson
         except ImportError:
             raise error from None  # the JSON error is the one to show, not the missing library
         return hjson.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def _uncommented(text: str) -> str:
+    r"""``text`` without the ``//``, ``#`` and ``/* */`` comments outside its quoted strings.
+
+    Example:
+        >>> _uncommented('{"a": "s3://x", // why\n "b": 1.0 /* kept */}')
+        '{"a": "s3://x", \n "b": 1.0 }'
+    """
+    out, quote, i = [], False, 0
+    while i < len(text):
+        char = text[i]
+        if quote:
+            if char == "\\":
+                out.append(text[i:i + 2])
+                i += 2
+                continue
+            quote = char != '"'
+        elif char == '"':
+            quote = True
+        elif char == "#" or text.startswith("//", i):
+            i = text.find("\n", i) if "\n" in text[i:] else len(text)
+            continue
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            i = len(text) if end < 0 else end + 2
+            continue
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -207,8 +207,8 @@ def _per_gpu(target: int, world: int) -> str:
     whole number it is not (0.99999… is not 1).
 
     Example:
-        >>> _per_gpu(63, 2), _per_gpu(1000000007, 8), _per_gpu(99999, 100000)
-        ('31.5', '125000000.875', '0.9999…')
+        >>> _per_gpu(63, 2), _per_gpu(1000000007, 8), _per_gpu(99999, 100000), _per_gpu(8, 10**11)
+        ('31.5', '125000000.875', '0.9999…', '0.0000…')
     """
     whole, rest = divmod(target, world)
     if rest == 0:
@@ -216,6 +216,8 @@ def _per_gpu(target: int, world: int) -> str:
     fraction = f"{rest / world:.4f}"
     if fraction == "1.0000":
         return f"{whole}.9999…"
+    if fraction == "0.0000":  # above the whole part, by less than the places shown
+        return f"{whole}.0000…"
     return f"{whole}{fraction[1:].rstrip('0')}"
 
 

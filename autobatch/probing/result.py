@@ -13,6 +13,7 @@ from typing import Any
 
 from ..units import format_bytes
 from .backends import DeviceInfo
+from .search import HARD_MAX_BATCH
 from .trial import Trial
 
 __all__ = ["BatchResult", "ProbeResult", "not_led", "trace_record"]
@@ -74,7 +75,11 @@ class BatchResult:
 
     def limit_text(self) -> str:
         # The cap has two names: max_batch= in Python, --max-micro on the command line.
-        return "the --max-micro / max_batch= cap" if self.limited_by == "max_batch" else "memory"
+        if self.limited_by != "max_batch":
+            return "memory"
+        if self.max_batch >= HARD_MAX_BATCH:
+            return "the probe's own cap, as memory never ran out: pass --max-micro / max_batch= for a lower one"
+        return "the --max-micro / max_batch= cap"
 
     def _details(self) -> dict[str, Any]:
         """The fields a subclass adds, for :meth:`to_dict`."""

@@ -132,7 +132,8 @@ class TuneResult:
             f"baseline: {line(self.baseline)} (largest micro batch)",
             f"speed-up: {verdict}",
             *note,
-            f"study {self.study_name} in {self.storage}: {len(self.candidates)} candidate plans, "
+            f"study {self.study_name} in {self.storage}: {len(self.candidates)} candidate plan"
+            f"{'s' if len(self.candidates) != 1 else ''}, "
             f"{done} timed, {pruned} pruned" + "".join(f"; {part}" for part in spent),
         ])
 

@@ -91,3 +91,30 @@ def test_each_strategy_row_is_led_by_its_own_first_two_trials_and_books_them():
         assert probe.trace_record["led"] and probe.trace_record["traced_batches"] == batches[:2]
         assert probe.capacity_bytes == report.beside_the_context
         assert all(t.reserved_bytes >= t.peak_bytes for t in probe.trials if t.fits)
+
+
+def test_a_first_step_request_whose_op_and_size_part_at_the_new_batch_is_booked_at_the_larger_with_no_fresh_trial():
+    # llama-1b checkpointed under ZeRO-3: at batch 2 a first-step activation of 2 × 2048 bytes and a constant
+    # 4096 look alike, and part at 3; the trial ran afresh (five wraps of llama-70b: 14 minutes)
+    class Tracker:
+        making = None
+
+    tracker = Tracker()
+    log = fresh_log.TaggedLog(tracker)
+
+    def step(requests):
+        start = log.mark()
+        for op, nbytes in requests:
+            tracker.making = op
+            log.free(log.malloc(nbytes))
+        return start, log.mark()
+
+    first = step([("add", 4096), ("add", 4096), ("add", 4096), ("mm", 8192)])  # one add of the first step alone
+    last = step([("add", 4096), ("add", 4096), ("mm", 8192)])
+    fresh = fresh_log.FreshRequests(log, [first, last], batch=2)
+    steady = step([("add", 4096), ("add", 6144), ("mm", 12288)])  # one add constant, one per sample
+    requests = fresh.at(*steady, batch=3)
+    assert requests is not None and fresh.over == 1  # no fresh trial; one request booked at the larger size
+    sizes = sorted(n for _, n in requests if n is not None)
+    # the first step's two paired adds and its lone one (6144, the larger), its mm; the last step as the steady
+    assert sizes == sorted([4096, 6144, 6144, 12288] + [4096, 6144, 12288]), sizes

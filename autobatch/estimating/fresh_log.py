@@ -13,12 +13,15 @@ a fresh run's at any batch, and only the sizes change. A later trial's steady st
 own batch, gives each size there: its requests pair with the reference's last step by the op
 that made each one (the same ops run at every batch), and each of the reference's earlier steps
 pairs with its last step at the reference's batch by op and size. A request of the first step
-with no partner (the optimizer's state, a wrapper's lazy buffers) keeps its size, which the
-batch does not set; one whose op and size pair with requests of several sizes at the new batch is
-ambiguous, and so is a steady step with requests the reference lacks past a small share (the
-copy ``labels[..., 1:].contiguous()`` makes only from batch 2): :meth:`FreshRequests.at` answers
-``None`` then, and the caller runs a fresh trial. ``tests/test_fresh_log.py`` books the requests
-made so against a fresh trial's own, strategy by strategy.
+with no partner in the last step takes the size its op and size became there (the law); none where
+the law has none (the optimizer's state, a wrapper's lazy buffers: the batch does not set them).
+Where the law gives several (at batch 2 a request of 2 × 2048 bytes and a constant 4096 look
+alike, then part at 3: a checkpointed first step's own activations), the largest is booked: never
+less than the request, and no fresh trial (each re-wrap of llama-70b took minutes). A steady step
+with requests the reference lacks past a small share (the copy ``labels[..., 1:].contiguous()``
+makes only from batch 2) cannot be told: :meth:`FreshRequests.at` answers ``None`` then, and the
+caller runs a fresh trial. ``tests/test_fresh_log.py`` books the requests made so against a fresh
+trial's own, strategy by strategy.
 
 :class:`FreshBooking` is what the trials call (the estimate's backend carries it): it starts a log
 at each wrap, makes the reference, books requests on the card, and draws the curve through them.
@@ -87,6 +90,7 @@ class FreshRequests:
     def __init__(self, log: TaggedLog, steps: list[tuple[int, int]], batch: int):
         self.log, self.batch = log, batch
         self.seen: dict[int, dict[int, int]] = {}  # each steady step's batch: the reference's sizes there
+        self.over = 0  # requests booked at the largest of the sizes their op and size became (see at())
         # The wrap as what it leaves: a wrapper that moves a whole model to the device and shards it there
         # frees most of what it made, where a job builds the model sharded (zero.Init, FSDP on the meta
         # device) and never holds it whole; booked as it ran, llama-70b's wrap alone reserved 161 GiB.
@@ -125,10 +129,9 @@ class FreshRequests:
                     size[index] = steady[partner][2]
                     continue
                 images = law.get((op, nbytes))
-                if images is not None and len(images) > 1:
-                    return None  # an op and size that became several sizes: which one it is, no order tells
-                if images is not None:
-                    size[index] = next(iter(images))
+                if images is not None:  # several: the largest, never less than the request books
+                    size[index] = max(images)
+                    self.over += len(images) > 1
         self.seen[batch] = size
         return self._sized(size)
 

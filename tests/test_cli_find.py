@@ -226,7 +226,7 @@ def test_find_under_torchrun_runs_as_the_doc_says_every_rank_probes_and_only_ran
 def test_find_under_the_deepspeed_launcher_takes_its_local_rank_flag_and_names_it_in_the_plan():
     # The DeepSpeed launcher runs `python -u -m autobatch --local_rank=N find …`: typer refused the flag on
     # every rank. The docs' line as written, with the launcher itself.
-    pytest.importorskip("deepspeed")
+    need("deepspeed")
     import re
 
     out = _launched_doc_line("--module autobatch find")

@@ -24,7 +24,7 @@ from ..probing.probe import for_data_parallel, make_backend
 from ..probing.progress import listening
 from ..probing.workload import default_loss
 from ..strategy import SIZE_BASED_MIN_PARAMS
-from .held import HELD_NOTE, held_again
+from .held import HELD_LAUNCHED_NOTE, HELD_NOTE, held_again
 from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus, uneven_plan
 from .report import Report
 from .request import Request
@@ -93,9 +93,10 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         return _written(Report(request, plan), into=written, notes=notes)
     report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
     if held_again(request, report):  # its micro-steps hold the gradients the trials freed
-        note(HELD_NOTE.format(accum=report.plan.grad_accum))
-        request = replace(request, grads_held=True)
-        report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
+        note((HELD_LAUNCHED_NOTE if request.launched else HELD_NOTE).format(accum=report.plan.grad_accum))
+        if not request.launched:  # a second rendezvous on the launcher's port is not ours to make
+            request = replace(request, grads_held=True)
+            report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
     if not report.main_rank:
         return _found_under(report)
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):

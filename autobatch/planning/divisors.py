@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 
-__all__ = ["MAX_INT", "AllowedMicros", "divisors", "factorize", "is_prime"]
+__all__ = ["MAX_INT", "AllowedMicros", "divisors", "factorize", "is_prime", "fuller_targets"]
 
 MAX_INT = 2**64
 # Deterministic Miller–Rabin witnesses for every n < 3.3 × 10**24 (covers MAX_INT).
@@ -155,3 +155,28 @@ class AllowedMicros:
         if self.multiple_of > 1:
             parts.append(f"a multiple of {self.multiple_of}")
         return ", ".join(p for p in parts if p) or "any size"
+
+
+def fuller_targets(per_rank: int, world: int, micro: int, allowed: AllowedMicros) -> str:
+    """A note for a plan that accumulates a micro batch under half the largest allowed (a prime target: 997 = 1 × 997):
+    the nearest global batches on ``world`` ranks, below and above, whose samples per GPU some micro batch over
+    that half divides, each with its plan; empty when the plan is not so or the allowed micro batches are too
+    many to list.
+
+    Example:
+        >>> fuller_targets(997, 1, 1, AllowedMicros(1, 64, None))
+        '; 997 per GPU leaves micro 1 of the 64 allowed: 992 (62 × 16) or 999 (37 × 27) would fill more of it'
+    """
+    few = allowed._few()
+    if micro == per_rank or few is None or not few or 2 * micro > few[-1]:
+        return ""
+    full = [m for m in few if 2 * m > few[-1]]
+    below = max((per_rank // m * m for m in full if per_rank // m), default=0)
+    above = min(-(-per_rank // m) * m for m in full)
+
+    def plan(k: int) -> str:
+        m = max(m for m in full if k % m == 0)
+        return f"{k * world} ({m} × {k // m}{f' × {world}' if world > 1 else ''})"
+
+    options = " or ".join(plan(k) for k in (below, above) if k)
+    return f"; {per_rank} per GPU leaves micro {micro} of the {few[-1]} allowed: {options} would fill more of it"

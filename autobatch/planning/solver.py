@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Mapping
 
 from ..errors import AutobatchError
-from .divisors import MAX_INT, AllowedMicros, divisors
+from .divisors import MAX_INT, AllowedMicros, divisors, fuller_targets
 from .plan import LRAdvice, Plan, require_positive_int
 
 __all__ = ["solve", "exact_plans", "check_request", "NoExactPlanError"]
@@ -175,31 +175,6 @@ def _working_world_sizes(target: int, world: int, allowed: AllowedMicros) -> tup
     if len(lower) + len(upper) <= _WORLD_SIZES_LISTED:
         return tuple(lower[::-1] + upper), True
     return tuple(lower[:_WORLD_SIZES_EACH_SIDE][::-1] + upper[:_WORLD_SIZES_EACH_SIDE]), False
-
-
-def _fuller_targets(per_rank: int, world: int, micro: int, allowed: AllowedMicros) -> str:
-    """A note for a plan that accumulates a micro batch under half the largest allowed (a prime target: 997 = 1 × 997):
-    the nearest global batches on ``world`` ranks, below and above, whose samples per GPU some micro batch over
-    that half divides, each with its plan; empty when the plan is not so or the allowed micro batches are too
-    many to list.
-
-    Example:
-        >>> _fuller_targets(997, 1, 1, AllowedMicros(1, 64, None))
-        '; 997 per GPU leaves micro 1 of the 64 allowed: 992 (62 × 16) or 999 (37 × 27) would fill more of it'
-    """
-    few = allowed._few()
-    if micro == per_rank or few is None or not few or 2 * micro > few[-1]:
-        return ""
-    full = [m for m in few if 2 * m > few[-1]]
-    below = max((per_rank // m * m for m in full if per_rank // m), default=0)
-    above = min(-(-per_rank // m) * m for m in full)
-
-    def plan(k: int) -> str:
-        m = max(m for m in full if k % m == 0)
-        return f"{k * world} ({m} × {k // m}{f' × {world}' if world > 1 else ''})"
-
-    options = " or ".join(plan(k) for k in (below, above) if k)
-    return f"; {per_rank} per GPU leaves micro {micro} of the {few[-1]} allowed: {options} would fill more of it"
 
 
 def _per_gpu(target: int, world: int) -> str:
@@ -393,7 +368,7 @@ def solve(
     else:
         micro = micros[-1]
         reason = f"largest micro batch{limits} that divides the {per_rank} samples per GPU (fewest accumulation steps)"
-        reason += _fuller_targets(per_rank, world, micro, allowed)
+        reason += fuller_targets(per_rank, world, micro, allowed)
         if times:
             reason += "; no step time was given for any micro batch that divides it"
         if max_micro is None:

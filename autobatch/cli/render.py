@@ -48,9 +48,9 @@ def _launch(report: Any) -> dict[str, Any]:
                 **report.training())
 
 
-def device_line(info: Any) -> str:
+def device_line(info: Any, label: str = "device") -> str:
     others = "" if info.used_by_others_bytes is None else f", {format_bytes(info.used_by_others_bytes)} held by other processes"
-    return (f"device: {info.name} on {info.host}: total {format_bytes(info.total_bytes)}, "
+    return (f"{label}: {info.name} on {info.host}: total {format_bytes(info.total_bytes)}, "
             f"free {format_bytes(info.free_bytes)}{others}, capacity for the probe {format_bytes(info.capacity_bytes)}")
 
 
@@ -166,10 +166,9 @@ def _print_uneven(report: Any) -> None:
 def _print_probe(report: Any) -> None:
     finding = report.finding
     out = console()
-    line = device_line(finding.probe.device)
-    if finding.ranks_report:  # the device of the rank with the least room, which the answer is for
-        line = line.replace("device:", "smallest device of the ranks:", 1)
-    out.print(line, highlight=False)
+    # under a launcher, the device of the rank with the least room, which the answer is for
+    label = "smallest device of the ranks" if finding.ranks_report else "device"
+    out.print(device_line(finding.probe.device, label), highlight=False)
     if finding.cached:  # before the trials it shows: they ran earlier, and how that search went
         out.print(cached_line(finding.probe, report.request.trace_prior), highlight=False, markup=False)
     if finding.ranks_report:

@@ -157,7 +157,10 @@ def has_comments(path: str | os.PathLike[str]) -> bool:
 
 def _comment_in(text: str, *, json: bool) -> bool:
     """Whether ``text`` has a comment outside its quoted strings: JSON's ``"…"`` (HJSON's ``//``, ``/*``
-    and ``#``), YAML's ``"…"`` and ``'…'`` (``#`` at a line's start or after a blank)."""
+    and ``#``: what :func:`_uncommented` takes out), YAML's ``"…"`` and ``'…'`` (``#`` at a line's start or
+    after a blank)."""
+    if json:
+        return _uncommented(text) != text
     quote, previous, before, i = "", "\n", "\n", 0  # before: the last character that is no blank
     while i < len(text):
         char = text[i]
@@ -166,11 +169,9 @@ def _comment_in(text: str, *, json: bool) -> bool:
                 i += 1  # an escaped character, a quote among them
             elif char == quote:
                 quote = ""
-        elif char == '"' if json else (char in "\"'" and before in "\n:-[{,?"):  # YAML quotes open a value only
+        elif char in "\"'" and before in "\n:-[{,?":  # YAML quotes open a value only
             quote = char
-        elif char == "#" and (json or previous in " \t\n"):
-            return True
-        elif json and char == "/" and text[i + 1:i + 2] in ("/", "*"):
+        elif char == "#" and previous in " \t\n":
             return True
         previous = char
         before = char if char not in " \t" else before

@@ -151,3 +151,38 @@ def test_what_flags_and_keywords_are_told_names_only_what_was_given():
 def test_a_fraction_below_one_per_gpu_is_not_shown_as_one():
     line = one_line(invoke("solve", "--target", "18446744073709551600", "--gpus", "18446744073709551615"))
     assert "= 0.9999… per GPU, and DeepSpeed would floor that to 0" in line
+
+
+# Every size flag at a bare 0: nothing is nothing in any unit, so no unit is asked for; where a size
+# must be positive the line says so (it said "needs a unit, write e.g. 2GiB" for --memory 0).
+ZERO_SIZES = [
+    (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "0"], "--memory must be a positive size"),
+    (["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "4MiB,0.0"], "--memory must be a positive size"),
+    (["estimate", "--model", "tiny-mlp", "--gpu-memory", "0"], "--gpu-memory must be a positive size"),
+    (["estimate", "--model", "tiny-mlp", "--workspace", "0"], None),
+    (["estimate", "--model", "tiny-mlp", "--cuda-context", "0"], None),
+]
+
+
+@pytest.mark.parametrize("args, said", ZERO_SIZES,
+                         ids=["memory", "memory-per-rank", "gpu-memory", "workspace", "cuda-context"])
+def test_a_bare_zero_size_is_refused_as_not_positive_or_taken_as_none(args, said):
+    if said is None:
+        result = invoke(*args, "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["max_batch"] > 0
+    else:
+        line = one_line(invoke(*args))
+        assert said in line and "needs a unit" not in line, line
+
+
+@pytest.mark.parametrize("kw, said", [({"memory": "0"}, "memory must be a positive size"),
+                                      ({"memory": "4MiB", "workspace": "0"}, None)])
+def test_python_reads_a_bare_zero_size_as_the_command_line_does(kw, said):
+    from autobatch import Request, RequestError
+
+    if said is None:
+        assert Request(model="tiny-mlp", device="cpu", **kw).workspace == "0"
+    else:
+        with pytest.raises(RequestError, match=said):
+            Request(model="tiny-mlp", device="cpu", **kw)

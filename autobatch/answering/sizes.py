@@ -84,7 +84,11 @@ def unit_problems(named: list[tuple[str, Any]]) -> list[str]:
     problems = []
     for name, value in named:
         zero = name in _MAY_BE_ZERO
-        if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
+        bare = isinstance(value, str) and value.strip().replace(".", "", 1).isdigit()
+        if bare and float(value) == 0:
+            if not zero:
+                problems.append(f"{option(name)} must be a positive size (2GiB, 512MiB), but got {value!r}")
+        elif bare:
             problems.append(f"{option(name)} needs a unit as a string ({value!r} would be {value} bytes); write "
                             f"e.g. '{value.strip()}GiB', or pass a number of bytes as an int")
         elif value is not None:

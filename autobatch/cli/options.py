@@ -234,7 +234,11 @@ def size_value(text: str, flag: str, *, zero: bool = False) -> int:
     from ..units import parse_bytes
 
     if text.strip().replace(".", "", 1).isdigit():
-        example = text.strip() if float(text) > 0 else "2"
+        if float(text) == 0 and zero:
+            return 0  # nothing is nothing in any unit
+        if float(text) == 0:
+            raise AutobatchError(f"{flag} must be a positive size with a unit, but got {text!r}; write e.g. 2GiB")
+        example = text.strip()
         raise AutobatchError(f"{flag} needs a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), but got {text!r}; "
                              f"write e.g. {example}GiB")
     try:

@@ -296,10 +296,11 @@ def fsdp_sharding(config: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def strategy_problems(strategies: Any, *, grads_held: bool = False, dtype: str = "fp32", probed: bool = False,
-                      deepspeed: Any = None) -> list[str]:
-    """What no trial of ``strategies`` could answer, each as one line, before the first: gradients held where an
-    engine keeps its own, pure low-precision weights under DeepSpeed, a DeepSpeed file for FSDP, and a ZeRO probe
-    (``probed``) without deepspeed installed (the rows before it ran for nothing, then the command failed)."""
+                      deepspeed: Any = None, unsharded: bool = False) -> list[str]:
+    """What no trial of ``strategies`` (``unsharded``: no strategy given) could answer, each as one line, before the
+    first: gradients held where an engine keeps its own, pure low-precision weights under DeepSpeed, a DeepSpeed file
+    for FSDP or for an autocast probe, and a ZeRO probe (``probed``) without deepspeed installed (the rows before it
+    ran for nothing, then the command failed)."""
     import importlib.util
 
     problems = []
@@ -314,6 +315,15 @@ def strategy_problems(strategies: Any, *, grads_held: bool = False, dtype: str =
         problems.append(f"{option('deepspeed')} writes a DeepSpeed config, which trains with ZeRO (zero1, zero2, zero3) "
                         f"or plain data parallelism (ddp), but the plan is for {', '.join(fsdp)}; drop "
                         f"{option('deepspeed')}, or plan for a ZeRO strategy")
+    autocast = dtype.lower().replace("torch.", "") in ("bf16", "fp16", "bfloat16", "float16")
+    plain = "an unsharded" if unsharded else "a ddp" if any(s.name == "ddp" for s in strategies) else None
+    if deepspeed is not None and probed and autocast and plain:
+        # DeepSpeed, and HF and accelerate writing its file, train bf16/fp16 in its own engine at every stage: bf16
+        # weights and gradients beside an fp32 master copy (and fp32 gradients to step it), not fp32 under autocast.
+        problems.append(f"{option('deepspeed')} with {option('dtype')} {dtype} trains in DeepSpeed's {dtype} engine "
+                        f"({dtype} weights and gradients beside an fp32 master copy), but {plain} probe trains fp32 "
+                        f"weights under autocast; probe as DeepSpeed trains with {option('strategy')} zero1 "
+                        f"(or zero2, zero3), or drop {option('deepspeed')}")
     if probed and any(s.is_deepspeed for s in strategies) and importlib.util.find_spec("deepspeed") is None:
         problems.append("probing a ZeRO strategy needs deepspeed, which is not installed; "
                         "pip install 'autobatch[deepspeed]'")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
+import autobatch
 from autobatch.cli import app
 
 
@@ -22,7 +24,8 @@ def invoke(*args: str):
 def test_a_batch_probed_with_bf16_and_checkpointing_is_written_with_them(tmp_path):
     hf, ds = tmp_path / "hf.json", tmp_path / "ds.json"
     out = invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "8MiB", "--grad-checkpointing",
-                 "--dtype", "bf16", "--target", "64", "--hf", str(hf), "--deepspeed", str(ds), "--no-cache").stdout
+                 "--dtype", "bf16", "--strategy", "zero1", "--target", "64", "--hf", str(hf), "--deepspeed", str(ds),
+                 "--no-cache").stdout
     args = json.loads(hf.read_text())
     assert args["bf16"] is True and args["gradient_checkpointing"] is True
     assert json.loads(ds.read_text())["bf16"] == {"enabled": True}
@@ -67,10 +70,62 @@ def test_existing_files_in_the_other_precision_are_switched_not_left_contradicti
     acc.write_text("mixed_precision: fp16\n")
     common = ["find", "--model", "tiny-gpt2", "--target", "64", "--device", "cpu", "--memory", "8MiB", "--dtype", "bf16",
               "--no-cache"]
-    invoke(*common, "--deepspeed", str(ds), "--hf", str(hf))
+    invoke(*common, "--strategy", "zero1", "--deepspeed", str(ds), "--hf", str(hf))
     written = json.loads(ds.read_text())
     assert written["bf16"] == {"enabled": True} and written["fp16"] == {"enabled": False}
     args = json.loads(hf.read_text())
     assert args["bf16"] is True and "fp16" not in args and args["learning_rate"] == 0.001
     invoke(*common, "--gpus", "2", "--accelerate", str(acc))
     assert yaml.safe_load(acc.read_text())["mixed_precision"] == "bf16"
+
+
+# A file the batch is merged into keeps its strategy and precision, so a probe that says neither would find the
+# batch under another step than the file trains: each kind of file, each way it says so.
+TRAINS_OTHERWISE = [
+    ("--deepspeed", "ds.json", {"zero_optimization": {"stage": 2}}, "trains with zero2 (zero_optimization.stage)",
+     ["--strategy", "zero2"]),
+    ("--deepspeed", "ds.json", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     "trains with zero3+offload-optimizer", ["--strategy", "zero3", "--offload", "optimizer"]),
+    ("--deepspeed", "ds.json", {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}},
+     "trains with zero1 (zero_optimization.stage) in bf16, but its batch would be found unsharded in fp32",
+     ["--strategy", "zero1", "--dtype", "bf16"]),
+    ("--accelerate", "acc.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n", "trains with fsdp2",
+     ["--strategy", "fsdp2"]),
+    ("--accelerate", "acc.yaml", "distributed_type: MULTI_GPU\nmixed_precision: fp16\n", "trains in fp16",
+     ["--dtype", "fp16"]),
+    ("--hf", "hf.json", {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2}}, "trains with fsdp2 (fsdp)",
+     ["--strategy", "fsdp2"]),
+    ("--hf", "hf.json", {"deepspeed": {"zero_optimization": {"stage": 3}}}, "trains with zero3 (deepspeed)",
+     ["--strategy", "zero3"]),
+    ("--hf", "hf.json", {"bf16": True}, "trains in bf16", ["--dtype", "bf16"]),
+]
+
+
+@pytest.mark.parametrize("flag, name, content, said, fix", TRAINS_OTHERWISE,
+                         ids=["ds-zero2", "ds-offload", "ds-bf16", "acc-fsdp2", "acc-fp16", "hf-fsdp2", "hf-zero3", "hf-bf16"])
+def test_a_file_that_trains_otherwise_than_the_probe_is_named_before_the_first_trial(tmp_path, flag, name, content,
+                                                                                    said, fix):
+    path = tmp_path / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    before = path.read_text()
+    result = CliRunner().invoke(app, ["find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "64MiB",
+                                      "--target", "64", flag, str(path)])
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert f"add {' '.join(fix)}" in result.output.replace("\n", " ")
+    assert "max batch" not in result.output and path.read_text() == before  # refused before the first trial
+    # given as the file trains, the request is taken (written into the file after the probe)
+    options = {k[2:]: v for k, v in zip(fix[::2], fix[1::2])}
+    try:
+        autobatch.Request(model="tiny-gpt2", device="cpu", memory="64MiB", target=64, **{flag[2:]: str(path)}, **options)
+    except autobatch.RequestError as exc:  # an offload is no simulated budget's: that line only
+        assert "trains" not in str(exc) and "offload" in options, exc
+
+
+def test_a_file_that_leaves_both_to_the_launcher_or_plans_alone_is_taken(tmp_path):
+    auto = tmp_path / "auto.json"
+    auto.write_text(json.dumps({"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": "auto"}}))
+    autobatch.Request(model="tiny-gpt2", device="cpu", memory="64MiB", target=64, deepspeed=str(auto))
+    sharded = tmp_path / "ds.json"
+    sharded.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    invoke("solve", "--target", "64", "--max-micro", "8", "--deepspeed", str(sharded))  # no probe: nothing differs
+    assert json.loads(sharded.read_text())["zero_optimization"] == {"stage": 2}

@@ -38,15 +38,21 @@ def zero3_plan() -> autobatch.Plan:
 
 def test_a_plan_found_in_bf16_configures_bf16_in_every_helper(bf16_plan, tmp_path) -> None:
     assert bf16_plan.trained_with.precision == "bf16"
-    assert autobatch.deepspeed_config(bf16_plan)["bf16"] == {"enabled": True}
     assert autobatch.hf_training_args(bf16_plan)["bf16"] is True
     assert "--bf16" in autobatch.hf_flags(bf16_plan)
     assert autobatch.accelerate_config(bf16_plan)["mixed_precision"] == "bf16"
     assert autobatch.lightning_settings(bf16_plan)["trainer"]["precision"] == "bf16-mixed"
-    write_deepspeed_config(bf16_plan, tmp_path / "ds.json")
     write_accelerate_config(bf16_plan, tmp_path / "acc.yaml")
-    assert read_config(tmp_path / "ds.json")["bf16"] == {"enabled": True}
     assert read_config(tmp_path / "acc.yaml")["mixed_precision"] == "bf16"
+
+
+def test_a_plan_found_under_autocast_is_no_deepspeed_config_unless_its_precision_is_passed(bf16_plan, tmp_path) -> None:
+    # DeepSpeed trains bf16 in its own engine (bf16 weights beside an fp32 master copy), not as the probe ran
+    for write in (autobatch.deepspeed_config, lambda plan: write_deepspeed_config(plan, tmp_path / "ds.json")):
+        with pytest.raises(autobatch.AutobatchError, match="found unsharded with fp32 weights under bf16 autocast"):
+            write(bf16_plan)
+    assert not (tmp_path / "ds.json").exists()
+    assert autobatch.deepspeed_config(bf16_plan, precision="bf16")["bf16"] == {"enabled": True}  # asked for: written
 
 
 def test_a_plan_found_under_zero3_configures_zero3_with_the_probed_buckets(zero3_plan) -> None:

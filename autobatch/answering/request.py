@@ -328,7 +328,7 @@ class Request:
                             f"sharded strategy, but no {option('strategy')} was given; add {option('strategy')} "
                             f"{'zero3' if given == ['offload'] else 'fsdp2'}")
         problems.extend(strategy_problems(strategies or (), grads_held=self.grads_held, dtype=str(self.dtype),
-                                          probed=self.model is not None, deepspeed=self.deepspeed))
+                        probed=self.model is not None, deepspeed=self.deepspeed, unsharded=self.strategy is None))
         lengths = self.lengths
         if lengths is not None and any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1
                                        for s in lengths):
@@ -362,6 +362,7 @@ class Request:
                             f"{option('gpus_per_node')} N ranks), then launch with the one you pick")
 
     def _check_outputs(self, problems: list[str]) -> None:
+        from ..checking.outputs import outputs_train_otherwise, same_file_problems
         from ..configs import check_plan_outputs
 
         if self.mode == "estimate" and self.plot is not None:
@@ -370,17 +371,13 @@ class Request:
         if self.mode == "estimate" and self.target is None and any(getattr(self, n) for n in ("deepspeed", "accelerate", "hf")):
             problems.append(f"{option('deepspeed')}, {option('accelerate')} and {option('hf')} write a plan, which "
                             f"needs {option('target')} (the global batch); add {option('target')} N")
-        given = [(name, os.path.realpath(os.fspath(getattr(self, name)))) for name in _OUTPUTS
-                 if getattr(self, name) is not None]
-        for i, (name, path) in enumerate(given):
-            for other, other_path in given[:i]:
-                if path == other_path:
-                    problems.append(f"{option(other)} and {option(name)} name the same file "
-                                    f"({os.fspath(getattr(self, name))!r}); give each its own path")
+        problems.extend(same_file_problems({name: getattr(self, name) for name in _OUTPUTS}))
         try:
             check_plan_outputs(**self.outputs())
         except AutobatchError as exc:
             problems.append(str(exc))
+        if self.model is not None:  # a probe's batch merged into a file that trains otherwise
+            problems.extend(outputs_train_otherwise(self.outputs(), self.strategies, self.precision))
         if self.plot is not None:
             from ..tuning.plot import check_plot_path
 

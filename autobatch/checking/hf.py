@@ -13,7 +13,7 @@ from typing import Any
 
 from ..strategy import FSDP_SHARDINGS, Strategy
 from .problems import _Collector
-from .views import _ds_precision
+from .views import ds_precision
 
 __all__ = ["HF_MICRO", "HF_ACCUM", "hf_batch", "hf_deepspeed", "hf_refusals", "hf_strategy", "hf_against_deepspeed",
            "hf_against_others"]
@@ -139,7 +139,7 @@ def hf_against_deepspeed(c: _Collector, label: str, args: Mapping[str, Any], ds_
     differs stops the Trainer ('Please correct the following DeepSpeed config values that mismatch
     TrainingArguments values')."""
     for key in ("fp16", "bf16"):
-        theirs = _ds_precision(ds, key)
+        theirs = ds_precision(ds, key)
         if theirs is None:
             continue
         ours = _on(args.get(key)) or _on(args.get(f"{key}_full_eval"))

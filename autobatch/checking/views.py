@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     pass
 from .problems import _AUTO, _Collector, _fix_for, _fix_pinned
 
-__all__ = []
+__all__ = ["ds_precision"]
 
 
 @dataclass
@@ -154,7 +154,7 @@ def _zero_stage_view(c: _Collector, label: str, ds: dict[str, Any]) -> None:
               stage=stage)
 
 
-def _ds_precision(ds: Mapping[str, Any], key: str) -> bool | None:
+def ds_precision(ds: Mapping[str, Any], key: str) -> bool | None:
     """``fp16.enabled`` or ``bf16.enabled`` as DeepSpeed's config model reads it (a pydantic bool; ``bf16``
     else the older ``bfloat16``); ``None`` where the config leaves it unset or "auto" (the launcher's)."""
     section = ds.get(key) if key == "fp16" or key in ds else ds.get("bfloat16")
@@ -169,7 +169,7 @@ def _precision_view(c: _Collector, label: str, ds: dict[str, Any]) -> None:
     """fp16 and bf16 both enabled: DeepSpeed asserts at start-up ('bfloat16 and fp16 modes cannot be
     simultaneously enabled')."""
     bf16_key = "bf16" if "bf16" in ds else "bfloat16"
-    if _ds_precision(ds, "fp16") and _ds_precision(ds, "bf16"):
+    if ds_precision(ds, "fp16") and ds_precision(ds, "bf16"):
         c.add("deepspeed-precision",
               f"DeepSpeed trains in one of fp16 and bf16, but {label} enables both (fp16.enabled and "
               f"{bf16_key}.enabled); DeepSpeed stops at start-up: 'bfloat16 and fp16 modes cannot be simultaneously "

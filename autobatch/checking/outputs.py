@@ -1,0 +1,89 @@
+"""The files a request writes, before the first trial: each its own, and each training as the probe will.
+
+``find --deepspeed ds.json`` on an existing ZeRO-2 file merges the batch into it and keeps its stage,
+so a batch found unsharded would be trained under ZeRO-2; one found in fp32 would be trained in the
+bf16 the file enables. A file that shards, or enables a precision, where the request says nothing of
+it is named here with the flag that probes as it trains. A strategy or precision the request does
+give is written into the files (the batch was found so), so it is no problem.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..configs import read_config
+from ..errors import AutobatchError, option
+from ..strategy import Strategy, strategy_from_accelerate, strategy_from_deepspeed
+from .hf import hf_strategy
+from .views import ds_precision
+
+__all__ = ["outputs_train_otherwise", "same_file_problems"]
+
+
+def same_file_problems(outputs: Mapping[str, Any]) -> list[str]:
+    """One line for each two options of ``outputs`` (option name → path or ``None``) that name one file."""
+    given = [(name, os.path.realpath(os.fspath(path))) for name, path in outputs.items() if path is not None]
+    return [f"{option(other)} and {option(name)} name the same file ({os.fspath(outputs[name])!r}); give each its "
+            "own path" for i, (name, path) in enumerate(given) for other, other_path in given[:i] if path == other_path]
+
+
+def _existing(path: Any) -> dict[str, Any] | None:
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        config = read_config(path)
+    except AutobatchError:
+        return None  # unreadable: the writer says so, with its own line
+    return config if isinstance(config, Mapping) else None
+
+
+def _trains(kind: str, config: Mapping[str, Any]) -> tuple[Strategy | None, str | None, str]:
+    """The strategy and precision (``"bf16"``/``"fp16"``; ``None``: fp32 or left to the launcher) ``config``
+    trains with, and the keys that say so."""
+    if kind == "deepspeed":
+        precision = next((p for p in ("bf16", "fp16") if ds_precision(config, p)), None)
+        return strategy_from_deepspeed(config), precision, "zero_optimization.stage"
+    if kind == "accelerate":
+        named = config.get("deepspeed_config_file")
+        inner = _existing(named) if isinstance(named, str) else None
+        mixed = str(config.get("mixed_precision", "no")).lower()
+        return (strategy_from_accelerate(config, inner), mixed if mixed in ("bf16", "fp16") else None,
+                "distributed_type")
+    ds = config.get("deepspeed")
+    ds = ds if isinstance(ds, Mapping) else _existing(ds) if isinstance(ds, str) else None
+    found = hf_strategy(config)
+    strategy = found[0] if found is not None else strategy_from_deepspeed(ds) if ds is not None else None
+    precision = next((p for p in ("bf16", "fp16") if config.get(p) is True), None)
+    return strategy, precision, "fsdp" if found is not None else "deepspeed"
+
+
+def outputs_train_otherwise(outputs: Mapping[str, Any], strategies: tuple[Strategy, ...] | None,
+                            precision: str | None) -> list[str]:
+    """One line for each existing output file (``outputs``: ``deepspeed``/``accelerate``/``hf`` paths) that
+    shards where ``strategies`` is ``None`` (no strategy given), or enables bf16/fp16 where ``precision`` is
+    ``None`` (fp32): the batch merged into it would be found under another step than it trains."""
+    problems = []
+    for kind in ("deepspeed", "accelerate", "hf"):
+        config = _existing(outputs.get(kind))
+        if config is None:
+            continue
+        strategy, enabled, key = _trains(kind, config)
+        trains, found, flags = [], [], []
+        if strategies is None and strategy is not None and strategy.name != "ddp":
+            trains.append(f"with {strategy.label} ({key})")
+            found.append("unsharded")
+            flags.append(f"{option('strategy')} {strategy.name}"
+                         + (f" {option('offload')} {strategy.offload}" if strategy.offload else ""))
+        if precision is None and enabled is not None:
+            trains.append(f"in {enabled}")
+            found.append("in fp32")
+            flags.append(f"{option('dtype')} {enabled}")
+        if trains:
+            problems.append(f"{outputs[kind]} trains {' '.join(trains)}, but its batch would be found "
+                            f"{' '.join(found)}; add {' '.join(flags)}" + (
+                                f", or turn {enabled} off in the file" if len(trains) == 1 and found == ["in fp32"]
+                                else ""))
+    return problems

@@ -232,6 +232,9 @@ def test_find_under_the_deepspeed_launcher_takes_its_local_rank_flag_and_names_i
     out = _launched_doc_line("--module autobatch find")
     assert "on 2 rank(s)" in out and re.findall(r"^(\d+)\s+\S+\s+cpu \(simulated", out, re.M) == ["0", "1"]
     assert "DeepSpeed launcher: deepspeed --num_gpus 2 train.py" in out
+    # 32 samples a rank accumulate: every rank probed again with the gradients held, in the launcher's group
+    # (a second rendezvous on its port hung them), and rank 0 alone says so
+    assert re.search(r"plan: \d+ per GPU × \d+ accumulation", out)
 
 
 def _launched_doc_line(marker: str) -> str:
@@ -248,6 +251,7 @@ def _launched_doc_line(marker: str) -> str:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    assert proc.stderr.count("probed again with them held") == 1, proc.stderr[-3000:]
     assert out.count("plan: ") == 1 and out.count("smallest device of the ranks: ") == 1  # rank 0 alone prints
     # the ranks' summary once, not again as one device's
     assert out.count("max batch ") == 1 and out.count("safe batch ") == 1, out

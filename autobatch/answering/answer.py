@@ -15,17 +15,18 @@ import torch
 
 from ..configs import write_plan_configs
 from ..distributed.zero import BUCKET_KEYS
-from ..errors import AutobatchError, RequestError, assigned, option
+from ..errors import AutobatchError, RequestError
 from ..modelinfo import per_gpu_statistics
-from ..pipeline import Finding, find_plan, launched_prior, local_gpu_count, plan_from_probe, probe_worker, probed_strategy
+from ..pipeline import Finding, find_plan, local_gpu_count, plan_from_probe, probe_worker
 from ..planning.plan import Plan, TrainedWith
 from ..planning.solver import solve
-from ..probing.probe import for_data_parallel, make_backend
+from ..probing.probe import make_backend
 from ..probing.progress import listening
 from ..probing.workload import default_loss
 from ..strategy import SIZE_BASED_MIN_PARAMS
-from .held import HELD_LAUNCHED_NOTE, HELD_NOTE, held_again
-from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus, uneven_plan
+from .held import HELD_NOTE, held_again
+from .launched import launched
+from .mixed import FALLBACK_NOTE, estimate_mixed, mixed_gpus
 from .report import Report
 from .request import Request
 from .rows import (
@@ -34,7 +35,6 @@ from .rows import (
     estimate_workload,
     length_table,
     strategy_rows,
-    user_deepspeed_config,
     workload_of,
 )
 
@@ -92,11 +92,9 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
                 note(SIZE_NOTE.format(strategy=chosen.name))
         return _written(Report(request, plan), into=written, notes=notes)
     report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
-    if held_again(request, report):  # its micro-steps hold the gradients the trials freed
-        note((HELD_LAUNCHED_NOTE if request.launched else HELD_NOTE).format(accum=report.plan.grad_accum))
-        if not request.launched:  # a second rendezvous on the launcher's port is not ours to make
-            request = replace(request, grads_held=True)
-            report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
+    if held_again(report.request, report):  # its micro-steps hold the gradients the trials freed
+        note(HELD_NOTE.format(accum=report.plan.grad_accum))
+        report = (_estimate if request.mode == "estimate" else _probe)(replace(request, grads_held=True), note, on_trial)
     if not report.main_rank:
         return _found_under(report)
     if report.uneven is not None and report.plan is not None and any(request.outputs().values()):
@@ -227,7 +225,7 @@ def _estimate(request: Request, note: Note, on_trial: Callable[[Any], None] | No
 def _probe(request: Request, note: Note, on_trial: Callable[[Any], None] | None) -> Report:
     """Real steps: every rank under a launcher, one worker per GPU, or this process's device."""
     if request.launched:
-        return _launched(request)
+        return launched(request, note)
     strategies = request.strategies
     gpu_count = local_gpu_count()
     if (strategies is None and not request.table and isinstance(request.model, str) and request.device is None
@@ -261,58 +259,6 @@ def _probe(request: Request, note: Note, on_trial: Callable[[Any], None] | None)
                         min_micro=request.min_micro, headroom=request.headroom, on_trial=on_trial,
                         use_cache=request.cache, use_trace_prior=request.trace_prior, **request.planning())
     return Report(request, finding.plan, rows=(finding,), device=finding.probe.device)
-
-
-def _launched(request: Request) -> Report:
-    """Under torchrun, ``accelerate launch``, …: every rank probes its own device, in lockstep."""
-    from ..distributed.launch import is_main_process, process_group, rank_env, rank_gpu
-    from ..distributed.lockstep import probe_distributed
-
-    env = rank_env()
-    _same_world(request, env)
-    memory = request.memory_of(env.rank)  # simulated mixed GPUs: rank r takes the r-th budget
-    here = f"cuda:{rank_gpu(env)}" if torch.cuda.device_count() else "cuda"  # this rank's GPU
-    backend = make_backend(request.device or (here if memory is None else "cpu"), memory)
-    strategies = request.strategies
-    with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=request.timeout):
-        workload = workload_of(request)
-        sharded = {} if strategies is None else {"strategy": strategies[0],
-                                                 "deepspeed_config": user_deepspeed_config(request.deepspeed)}
-        # The trace leads an unsharded search on every rank, as without a launcher.
-        prior = launched_prior(workload, backend, request.trace_prior, strategies and strategies[0],
-                               request.min_micro)
-        result = probe_distributed(workload, backend, max_batch=request.max_micro, min_batch=request.min_micro,
-                                   headroom=request.headroom, timeout_s=request.timeout, prior=prior,
-                                   each_rank=request.uneven, **sharded)
-    agreed = result.to_probe_result()
-    planning = request.planning()
-    if request.nodes == 1 and env.nodes > 1:
-        planning["nodes"] = env.nodes
-    gpus = request.gpus_per_node or env.local_world_size
-    uniform = not request.uneven or request.target is None or request.target % env.world_size == 0
-    plan = plan_from_probe(agreed, gpus_per_node=gpus, **planning) if uniform else None
-    strategy = probed_strategy(agreed, None if strategies is None else strategies[0])
-    uneven = None if not request.uneven else uneven_plan(
-        request, result.own_limits, strategy=strategy, min_micro=agreed.min_batch,
-        uniform_safe=for_data_parallel(agreed, env.world_size).safe_batch)
-    finding = Finding(agreed, plan, ranks_report=str(result), strategy=strategy)
-    return Report(request, plan, rows=(finding,), device=agreed.device, main_rank=is_main_process(), uneven=uneven)
-
-
-def _same_world(request: Request, env: Any) -> None:
-    """Under a launcher the plan is for the ranks it started: GPUs per node or nodes asked otherwise are
-    refused before anything runs (they replaced the launcher's, silently, in every file written). An
-    explicit one node is the default, which the launcher's count replaces."""
-    asked = {name: value for name, value, theirs in (("gpus_per_node", request.gpus_per_node, env.local_world_size),
-                                                     ("nodes", request.nodes, env.nodes))
-             if value is not None and value != theirs and not (name == "nodes" and value == 1)}
-    if asked:
-        given = " and ".join(assigned(name, value) for name, value in asked.items())
-        raise RequestError([
-            f"under {env.launcher} the plan is for the ranks it started, {env.local_world_size} per node × {env.nodes} "
-            f"node{'s' if env.nodes != 1 else ''}, but {given} asks for another world; drop "
-            f"{' and '.join(option(name) for name in asked)}, or plan that world from this one's safe batch with "
-            f"`autobatch solve --max-micro SAFE` and its own {option('gpus_per_node')} and {option('nodes')}"])
 
 
 _RENAMED = {"max_batch": "max_micro", "use_trace_prior": "trace_prior", "use_cache": "cache"}

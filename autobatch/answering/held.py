@@ -9,23 +9,17 @@ gradients zeroed in place into the next forward, as ``--grads-held`` does).
 
 FSDP and ZeRO keep their gradients as their engines do (sharded, in their own buffers), which their
 trials already train with; a plan per rank (``--uneven``) and several strategies compared are answered
-as they are. Under a launcher the ranks' process group is the launcher's, met once: a note says to run
-again with ``--grads-held``.
+as they are. Under a launcher every rank probes again in the same process group (the launcher's, met once).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["held_again", "HELD_NOTE", "HELD_LAUNCHED_NOTE"]
+__all__ = ["held_again", "HELD_NOTE"]
 
 HELD_NOTE = ("the plan accumulates {accum} micro-steps, and each after the first runs its forward with the gradients "
              "still allocated: probed again with them held (--grads-held), so the micro batch fits as it will train")
-
-
-HELD_LAUNCHED_NOTE = ("the plan accumulates {accum} micro-steps, and each after the first runs its forward with the "
-                      "gradients still allocated, which these trials freed: run it again with --grads-held for the "
-                      "micro batch that fits as it will train")
 
 
 def held_again(request: Any, report: Any) -> bool:

@@ -86,11 +86,13 @@ def answer_and_print(request: object, *, as_json: bool) -> None:
     from .. import answer, rank_env
     from .output import console
 
+    quiet = request.mode == "probe" and request.launched and not rank_env().is_main
+
     def note(text: str) -> None:
-        typer.echo(f"note: {text}", err=True)
+        if not quiet:  # every rank says the same: rank 0 says it once
+            typer.echo(f"note: {text}", err=True)
 
     err = console(stderr=True)
-    quiet = request.mode == "probe" and request.launched and not rank_env().is_main
     if not err.is_terminal or quiet:
         report = answer(request, on_note=note, written=outputs(), on_progress=None if quiet else _lines())
         print_report(report, as_json=as_json)

@@ -146,6 +146,8 @@ runner = CliRunner()
 def test_cli_gpus():
     result = runner.invoke(app, ["gpus"])
     assert result.exit_code == 0 and "a100-80gb" in result.output and "default: a100-80gb" in result.output
+    header = next(line for line in result.output.splitlines() if "name" in line)  # each column says what it is
+    assert all(column in header for column in ("total", "CUDA context", "usable", "vendor", "notes")), result.output
     data = json.loads(runner.invoke(app, ["gpus", "--json"]).output)
     assert data["default"] == "a100-80gb" and len(data["gpus"]) >= 13
 

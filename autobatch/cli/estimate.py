@@ -83,12 +83,21 @@ def gpus_command(as_json: AsJson = False) -> None:
     import json
 
     from .. import DEFAULT_GPU, GPUS
+    from ..units import format_bytes
 
     if as_json:
         typer.echo(json.dumps({"default": DEFAULT_GPU, "gpus": [g.to_dict() for g in GPUS.values()]}, indent=2))
         return
+    from rich.table import Table
+
+    table = Table(title="GPUs (--gpu NAME)", title_justify="left")
+    for column, justify in (("name", "left"), ("total", "right"), ("CUDA context", "right"), ("usable", "right"),
+                            ("vendor", "left"), ("notes", "left")):
+        table.add_column(column, justify=justify)
     for spec in GPUS.values():
-        typer.echo(str(spec))
+        table.add_row(spec.name, format_bytes(spec.total_bytes), format_bytes(spec.context_bytes),
+                      format_bytes(spec.usable_bytes), spec.vendor, spec.notes)
+    console().print(table)
     typer.echo(f"default: {DEFAULT_GPU}; any other card: --gpu-memory 40GiB (usable = total − CUDA context)")
 
 

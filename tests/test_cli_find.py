@@ -52,11 +52,12 @@ def test_find_writes_configs_and_merges_deepspeed(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": 7}))
     acc, hf = tmp_path / "acc.yaml", tmp_path / "args.json"
+    # the file trains with ZeRO-2, so the batch is found so (without --strategy it is refused, before any trial)
     res = invoke("find", "--model", "tiny-gpt2", "--target", "64", "--device", "cpu", "--memory", "8MiB",
-                 "--deepspeed", str(ds), "--accelerate", str(acc), "--hf", str(hf))
+                 "--strategy", "zero2", "--deepspeed", str(ds), "--accelerate", str(acc), "--hf", str(hf))
     assert res.exit_code == 0, res.output
     config = json.loads(ds.read_text())
-    assert config["zero_optimization"] == {"stage": 2}
+    assert config["zero_optimization"]["stage"] == 2
     assert config["train_batch_size"] == 64
     assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] == 64
     args = json.loads(hf.read_text())

@@ -1,11 +1,10 @@
 """One rank of a launched job, started with only the variables its launcher sets, on emulated GPUs.
 
-``python -m tests.launched_rank OUT GPUS [STRATEGY|uneven|held]`` emulates a machine with GPUS GPUs (of which
+``python -m tests.launched_rank OUT GPUS [STRATEGY|uneven]`` emulates a machine with GPUS GPUs (of which
 ``CUDA_VISIBLE_DEVICES``, if set, leaves this process some), runs ``find`` as a user would under
 that launcher (no ``--device``: each rank probes its own GPU, NCCL asked for), and writes what it
 saw to ``OUT/rank<R>.json``: where it sits in the job, the device it probed, the machine's GPU
-that device is, and the plan (per rank with `uneven`: GPUs of 64 and 40 MiB, and --uneven; with `held`: 4 MiB
-simulated budgets and a target that accumulates, probed again with the gradients held).
+that device is, and the plan (per rank with `uneven`: GPUs of 64 and 40 MiB, and --uneven), which accumulates.
 """
 
 from __future__ import annotations
@@ -22,15 +21,13 @@ def main(out: str, machine_gpus: int, strategy: str | None = None) -> None:
 
     env = rank_env()
     uneven = strategy == "uneven"  # mixed GPUs: GPU i holds 24 MiB less than GPU i - 1, and --uneven
-    held = strategy == "held"  # a plan that accumulates on simulated budgets: probed again, gradients held
-    strategy = None if uneven or held else strategy
+    strategy = None if uneven else strategy
     gpus = [EmulatedGpu(i, total_bytes=(64 - 24 * i if uneven else 256) << 20, context_bytes=0)
             for i in range(machine_gpus)]
     with emulated(gpus) as emu:
         visible = len(emu.gpus)
-        limits = {"target": 1000, "uneven": True} if uneven else {"target": 8 * env.world_size, "max_micro": 8}
-        if held:
-            limits = {"target": 2048 * env.world_size, "device": "cpu", "memory": "4MiB"}
+        # 16 a rank at most 8 a step: the plan accumulates, so every rank probes again with the gradients held
+        limits = {"target": 1000, "uneven": True} if uneven else {"target": 16 * env.world_size, "max_micro": 8}
         notes: list[str] = []
         report = answer(Request(model="tiny-mlp", trace_prior=False, headroom=0, timeout=60, strategy=strategy,
                                 **limits), on_note=notes.append)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import AutobatchError, option
 
-__all__ = ["Strategy", "strategy_problems", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies", "as_strategy",
+__all__ = ["Strategy", "strategy_problems", "not_deepspeed", "STRATEGIES", "OFFLOADS", "SIZE_BASED_MIN_PARAMS", "parse_strategy", "parse_strategies", "as_strategy",
            "strategy_from_deepspeed", "strategy_from_accelerate", "fsdp_sharding", "FSDP_SHARDINGS"]
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp1", "zero1", "zero2", "zero3")
@@ -295,6 +295,12 @@ def fsdp_sharding(config: Mapping[str, Any]) -> tuple[str, str] | None:
     return "FULL_SHARD", "fsdp_reshard_after_forward"
 
 
+def not_deepspeed(names: list[str]) -> str:
+    """The rule a DeepSpeed file breaks when the plan is for ``names`` (FSDP), with its fix."""
+    return (f"a DeepSpeed config, which trains with ZeRO (zero1, zero2, zero3) or plain data parallelism (ddp), but "
+            f"the plan is for {', '.join(names)}; drop {option('deepspeed')}, or plan for a ZeRO strategy")
+
+
 def strategy_problems(strategies: Any, *, grads_held: bool = False, dtype: str = "fp32", probed: bool = False,
                       deepspeed: Any = None, unsharded: bool = False) -> list[str]:
     """What no trial of ``strategies`` (``unsharded``: no strategy given) could answer, each as one line, before the
@@ -312,9 +318,7 @@ def strategy_problems(strategies: Any, *, grads_held: bool = False, dtype: str =
                         f"master weights beside them; use {option('dtype')} {dtype[:4]} with ZeRO")
     fsdp = [s.name for s in strategies if s.is_fsdp]
     if deepspeed is not None and fsdp:
-        problems.append(f"{option('deepspeed')} writes a DeepSpeed config, which trains with ZeRO (zero1, zero2, zero3) "
-                        f"or plain data parallelism (ddp), but the plan is for {', '.join(fsdp)}; drop "
-                        f"{option('deepspeed')}, or plan for a ZeRO strategy")
+        problems.append(f"{option('deepspeed')} writes {not_deepspeed(fsdp)}")
     autocast = dtype.lower().replace("torch.", "") in ("bf16", "fp16", "bfloat16", "float16")
     plain = "an unsharded" if unsharded else "a ddp" if any(s.name == "ddp" for s in strategies) else None
     if deepspeed is not None and probed and autocast and plain:

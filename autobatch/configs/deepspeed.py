@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AutobatchError, option
-from ..strategy import Strategy, as_strategy
+from ..strategy import Strategy, as_strategy, not_deepspeed
 from .files import read_config, write_config
 from .trained import trained_with
 
@@ -65,9 +65,7 @@ def zero_section(strategy: Strategy | str, existing: dict[str, Any] | None = Non
     """
     strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     if strategy.zero_stage is None and strategy.name != "ddp":
-        raise AutobatchError(
-            f"a DeepSpeed config trains with ZeRO (zero1, zero2, zero3) or plain data parallelism (ddp), but the "
-            f"plan is for {strategy.name}; drop {option('deepspeed')}, or plan for a ZeRO strategy")
+        raise AutobatchError(f"{option('deepspeed')} writes {not_deepspeed([strategy.name])}")
     section = dict(existing or {})
     section["stage"] = strategy.zero_stage or 0
     for key, value in (probed or {}).items():

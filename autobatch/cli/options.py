@@ -198,7 +198,7 @@ Fragmentation = Annotated[float | None, typer.Option(
     "--fragmentation", help="The allocator's reserved ÷ allocated peak, multiplying the traced peak. Default: "
     "book each traced step's requests through a model of PyTorch's caching allocator on the card (within 0.1 % "
     "of the reserved peaks an H200 measured, docs/benchmarks/gpu.md), a sharded trial's as a fresh run makes them "
-    "(--strategy); ×1.10 where no requests are kept (several --seq-len).")]
+    "(--strategy), each row of a length table's (several --seq-len) as one length's.")]
 Workspace = Annotated[str, typer.Option("--workspace", help="cuBLAS/cuDNN workspaces assumed.")]
 CudaContext = Annotated[str | None, typer.Option(
     "--cuda-context", help="The CUDA context's memory per process, e.g. 1.3GiB. Default: the card's catalogue "

@@ -50,7 +50,7 @@ from .replay import AllocationLog
 from .symbolic import BatchCurve, trace_curve
 
 __all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "training_copy", "load_fake_model",
-           "dtype_label"]
+           "dtype_label", "reads_to_the_safe_batch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,7 +357,7 @@ def estimate(
                                f"on {spec.name} (usable {format_bytes(capacity)}); {NOTHING_FITS_FIX}")
     limit = capacity - headroom_bytes
     if curve is not None and booked:  # every batch is a read off the curve: the safe one too
-        outcome = replace(outcome, trials=outcome.trials + _reads_to_the_safe_batch(
+        outcome = replace(outcome, trials=outcome.trials + reads_to_the_safe_batch(
             run, outcome.trials, limit, min_batch, outcome.max_batch, curve.answers))
     summary = summarise(outcome.trials, outcome.max_batch, limit)
     return Estimate(
@@ -383,7 +383,7 @@ def estimate(
     )
 
 
-def _reads_to_the_safe_batch(read: Callable[[int], Trial], trials: tuple[Trial, ...], limit: int, min_batch: int,
+def reads_to_the_safe_batch(read: Callable[[int], Trial], trials: tuple[Trial, ...], limit: int, min_batch: int,
                              max_batch: int, answers: Callable[[int], bool]) -> tuple[Trial, ...]:
     """The batches read off the curve, by bisection, between the largest trial that keeps ``limit`` and
     the smallest that does not: the safe batch rests on adjacent reads, not a line's guess (a batch low)."""

@@ -2,7 +2,8 @@
 
 The table over lengths (:mod:`autobatch.lengths`) asks a runner for one trial at a batch and a
 length; this runner traces it on fake tensors for a named GPU, as :func:`~.estimate.estimate`
-does for one length, so ``find --seq-len 256,512,…`` works without a GPU.
+does for one length, and books each step's requests through the caching allocator's model as it does, so
+a row answers as the one-length estimate at its length and ``find --seq-len 256,512,…`` works without a GPU.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from typing import Any
 
 from ..modelinfo import batchnorm_record, min_batch_for
 from ..probing.evaluation import run_eval_trial
-from ..probing.probe import MemorySummary
+from ..probing.probe import MemorySummary, summarise
 from ..probing.result import not_led
 from ..probing.search import SearchOutcome
 from ..probing.trial import Trial
 from ..probing.workload import Workload
-from .estimate import IS_THE_TRACE, Estimate, dtype_label, trace_trial, training_copy
+from .estimate import (IS_THE_TRACE, Estimate, dtype_label, reads_to_the_safe_batch, trace_batches, trace_trial,
+                       training_copy)
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
-from .overheads import Overheads, beside_the_context, on_gpu
+from .overheads import Overheads, beside_the_context, booked_on_gpu, on_gpu
+from .replay import AllocationLog
 
 __all__ = ["FakeLengthRunner"]
 
@@ -54,26 +57,51 @@ class FakeLengthRunner:
                            if p.requires_grad) if data_parallel > 1 else 0
         self.device_name = f"{self.spec.name} (estimated: fake-tensor trace, no GPU used)"
         self.traced: dict[tuple[str, int], list[Trial]] = {}
+        self.curves: dict[int, Any] = {}  # seq_len → its BatchCurve, or None where torch could not trace one
 
     def _at(self, seq_len: int) -> Workload:
         make_batch = self.workload.make_batch
         return replace(self.workload, make_batch=lambda b: make_batch(b, seq_len))
 
     def _trace(self, mode: str, batch: int, seq_len: int, run: Callable[..., Trial]) -> Trial:
-        backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention, recomputed=self.workload.grad_checkpointing)
-        raw = replace(run(self._at(seq_len), self.model, backend, batch), seconds_per_step=None)
-        self.traced.setdefault((mode, seq_len), []).append(raw)
-        return on_gpu(raw, self.overheads, self.capacity, self.buckets)
+        # Booked through the caching allocator's model, as a one-length estimate is (the default), or by a multiplier.
+        log = AllocationLog() if self.overheads.fragmentation is None else None
+        backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention, log=log,
+                               recomputed=self.workload.grad_checkpointing)
+        raw = replace(run(self._at(seq_len), self.model, backend, batch, log), seconds_per_step=None)
+        trial = (booked_on_gpu(raw, log.requests(), self.overheads, self.capacity, self.buckets) if log is not None
+                 else on_gpu(raw, self.overheads, self.capacity, self.buckets))
+        self.traced.setdefault((mode, seq_len), []).append(replace(raw, fits=trial.fits))
+        return trial
 
     def train(self, batch: int, seq_len: int) -> Trial:
-        return self._trace("train", batch, seq_len, lambda w, m, b, n: trace_trial(
-            w, m, n, fake_mode=self.fake_mode, fused_attention=self.overheads.fused_attention))
+        # One trace with a symbolic batch answers every batch its curve allows at this length, as for one length.
+        booked = self.overheads.fragmentation is None
+        if seq_len not in self.curves:
+            self.curves[seq_len] = trace_batches(self._at(seq_len), self.model, fake_mode=self.fake_mode,
+                                                 fused_attention=self.overheads.fused_attention, primed=not booked)
+        curve = self.curves[seq_len]
+        if curve is not None and curve.answers(batch):
+            raw = curve.trial(batch)
+            trial = (booked_on_gpu(raw, curve.requests(batch), self.overheads, self.capacity, self.buckets) if booked
+                     else on_gpu(raw, self.overheads, self.capacity, self.buckets))
+            self.traced.setdefault(("train", seq_len), []).append(replace(raw, fits=trial.fits))
+            return trial
+        return self._trace("train", batch, seq_len, lambda w, m, b, n, log: trace_trial(
+            w, m, n, fake_mode=self.fake_mode, fused_attention=self.overheads.fused_attention, log=log))
 
     def evaluate(self, batch: int, seq_len: int) -> Trial:
-        return self._trace("eval", batch, seq_len, run_eval_trial)
+        return self._trace("eval", batch, seq_len, lambda w, m, b, n, log: run_eval_trial(w, m, b, n))
 
     def result(self, mode: str, seq_len: int, outcome: SearchOutcome, summary: MemorySummary, min_batch: int,
                headroom_bytes: int) -> Estimate:
+        curve = self.curves.get(seq_len) if mode == "train" else None
+        if curve is not None and self.overheads.fragmentation is None and outcome.max_batch > 0:
+            # every batch is a read off the booked curve: the safe one rests on adjacent reads, as for one length
+            limit = self.capacity - headroom_bytes
+            outcome = replace(outcome, trials=outcome.trials + reads_to_the_safe_batch(
+                lambda b: self.train(b, seq_len), outcome.trials, limit, min_batch, outcome.max_batch, curve.answers))
+            summary = summarise(outcome.trials, outcome.max_batch, limit)
         return Estimate(
             max_batch=outcome.max_batch, safe_batch=summary.safe_batch, limited_by=outcome.limited_by,
             min_batch=min_batch, gpu=self.spec, capacity_bytes=self.capacity, headroom_bytes=headroom_bytes,

@@ -15,8 +15,8 @@ place less:
   (where the card did not flush its cache), whose ratios to the allocated peaks were 1.11, 1.07
   and 1.26, and answered 74, 93 and 349 where the card fit 74, 93 and 348. Sharded estimates book
   each trial's requests as a fresh run at its batch makes them (:mod:`autobatch.estimating.fresh_log`).
-  A number multiplies the traced peak instead (the ratio 1.10, :data:`DEFAULT_FRAGMENTATION`, is
-  what length tables, which keep no log, take).
+  Length tables book each row's trials so too. A number multiplies the traced peak instead (e.g. 1.10,
+  :data:`DEFAULT_FRAGMENTATION`).
 * **Library workspaces**: cuBLAS keeps a workspace per handle/stream (torch's default is
   ~8 MiB, 32 MiB on Hopper), cuBLASLt and cuDNN their own. ``workspace_bytes`` adds a flat
   64 MiB.

@@ -319,15 +319,19 @@ def strategy_problems(strategies: Any, *, grads_held: bool = False, dtype: str =
     fsdp = [s.name for s in strategies if s.is_fsdp]
     if deepspeed is not None and fsdp:
         problems.append(f"{option('deepspeed')} writes {not_deepspeed(fsdp)}")
-    autocast = dtype.lower().replace("torch.", "") in ("bf16", "fp16", "bfloat16", "float16")
+    low = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype.lower().replace("torch.", ""), dtype.lower())
     plain = "an unsharded" if unsharded else "a ddp" if any(s.name == "ddp" for s in strategies) else None
-    if deepspeed is not None and probed and autocast and plain:
+    if deepspeed is not None and probed and low in ("bf16", "fp16", "bf16-true", "fp16-true") and plain:
         # DeepSpeed, and HF and accelerate writing its file, train bf16/fp16 in its own engine at every stage: bf16
-        # weights and gradients beside an fp32 master copy (and fp32 gradients to step it), not fp32 under autocast.
-        problems.append(f"{option('deepspeed')} with {option('dtype')} {dtype} trains in DeepSpeed's {dtype} engine "
-                        f"({dtype} weights and gradients beside an fp32 master copy), but {plain} probe trains fp32 "
-                        f"weights under autocast; probe as DeepSpeed trains with {option('strategy')} zero1 "
-                        f"(or zero2, zero3), or drop {option('deepspeed')}")
+        # weights and gradients beside an fp32 master copy (and fp32 gradients to step it), neither autocast's fp32
+        # weights nor pure low-precision ones.
+        engine, pure = low[:4], low.endswith("-true")
+        probed_as = f"pure {engine} weights" if pure else "fp32 weights under autocast"
+        as_deepspeed = (f"{option('dtype')} {engine} " if pure else "") + f"{option('strategy')} zero1"
+        problems.append(f"{option('deepspeed')} with {option('dtype')} {dtype} trains in DeepSpeed's {engine} engine "
+                        f"({engine} weights and gradients beside an fp32 master copy), but {plain} probe trains "
+                        f"{probed_as}; probe as DeepSpeed trains with {as_deepspeed} (or zero2, zero3), or drop "
+                        f"{option('deepspeed')}")
     if probed and any(s.is_deepspeed for s in strategies) and importlib.util.find_spec("deepspeed") is None:
         problems.append("probing a ZeRO strategy needs deepspeed, which is not installed; "
                         "pip install 'autobatch[deepspeed]'")

@@ -66,14 +66,15 @@ def test_find_with_one_strategy_writes_it_into_the_configs(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", [(), ("--strategy", "ddp")], ids=["unsharded", "ddp"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "bf16-true"])
 def test_a_deepspeed_file_for_an_autocast_probe_is_refused_before_the_first_trial(tmp_path, strategy, dtype):
     # it wrote DeepSpeed's bf16 engine (bf16 weights and gradients beside an fp32 master copy) for a batch found
     # with fp32 weights under autocast: a different step, 94 where ZeRO-1's engine fits 98 for tiny-gpt2 in 64MiB
     ds = tmp_path / "ds.json"
     res = invoke("find", "--model", "tiny-gpt2", "--device", "cpu", "--memory", "64MiB", "--dtype", dtype, *strategy,
                  "--deepspeed", str(ds))
-    assert res.exit_code == 2 and f"--deepspeed with --dtype {dtype} trains in DeepSpeed's {dtype} engine" in res.output
+    assert res.exit_code == 2 and f"--deepspeed with --dtype {dtype} trains in DeepSpeed's {dtype[:4]} engine" in res.output
+    # pure bf16 weights were written as an fp32 DeepSpeed file (no precision section): half the weights' memory
     assert "--strategy zero1" in res.output and "max batch" not in res.output and not ds.exists()
     assert invoke("solve", "--target", "8", "--deepspeed", str(ds)).exit_code == 0  # no probe: nothing to differ
 

@@ -53,6 +53,9 @@ def test_a_plan_found_under_autocast_is_no_deepspeed_config_unless_its_precision
             write(bf16_plan)
     assert not (tmp_path / "ds.json").exists()
     assert autobatch.deepspeed_config(bf16_plan, precision="bf16")["bf16"] == {"enabled": True}  # asked for: written
+    pure = autobatch.find(model().to(torch.bfloat16), make_batch, target=96, device="cpu", memory="512KiB", dtype="bf16-true")
+    with pytest.raises(autobatch.AutobatchError, match="found unsharded with pure bf16 weights"):
+        autobatch.deepspeed_config(pure)  # it was written as fp32: no precision section at all
 
 
 def test_a_plan_found_under_zero3_configures_zero3_with_the_probed_buckets(zero3_plan) -> None:

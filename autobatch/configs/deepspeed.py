@@ -112,12 +112,14 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
         {'train_batch_size': 224, 'train_micro_batch_size_per_gpu': 7, 'gradient_accumulation_steps': 2, 'zero_optimization': {'stage': 0}}
     """
     found = trained_with(plan, strategy=strategy, probed_zero=probed_zero, precision=precision)
-    if precision is None and _autocast_found(found):
+    if precision is None and _not_deepspeeds(found):
+        engine, pure = found.precision[:4], found.precision.endswith("-true")
         raise AutobatchError(
-            f"this plan's batch was found {found.strategy.name if found.strategy else 'unsharded'} with fp32 weights "
-            f"under {found.precision} autocast, but DeepSpeed trains {found.precision} in its own engine ("
-            f"{found.precision} weights and gradients beside an fp32 master copy); find it again with "
-            "strategy='zero1' (or zero2, zero3), or pass precision= to write one anyway")
+            f"this plan's batch was found {found.strategy.name if found.strategy else 'unsharded'} with "
+            f"{f'pure {engine} weights' if pure else f'fp32 weights under {engine} autocast'}, but DeepSpeed trains "
+            f"{engine} in its own engine ({engine} weights and gradients beside an fp32 master copy); find it again "
+            f"with {f'dtype={engine!r}, ' if pure else ''}strategy='zero1' (or zero2, zero3), or pass precision= to "
+            "write one anyway")
     strategy, probed_zero, precision = found.strategy, found.probed_zero, found.precision
     config = copy.deepcopy(existing) if existing is not None else {}
     for key, value in zip(BATCH_KEYS, (plan.global_batch, plan.micro_batch, plan.grad_accum)):
@@ -139,10 +141,12 @@ def deepspeed_config(plan: Plan, existing: dict[str, Any] | None = None, *, keep
     return config
 
 
-def _autocast_found(found: Any) -> bool:
-    """A batch found under autocast without DeepSpeed (unsharded or ddp), which DeepSpeed's bf16/fp16 engine
-    does not train: it holds low-precision weights and gradients beside an fp32 master copy."""
-    return found.precision in ("bf16", "fp16") and (found.strategy is None or not found.strategy.is_deepspeed)
+def _not_deepspeeds(found: Any) -> bool:
+    """A batch found in bf16/fp16 without DeepSpeed (unsharded or ddp: under autocast, or pure low-precision
+    weights), which DeepSpeed's own engine does not train: low-precision weights and gradients beside an fp32
+    master copy."""
+    return (found.precision in ("bf16", "fp16", "bf16-true", "fp16-true")
+            and (found.strategy is None or not found.strategy.is_deepspeed))
 
 
 def read_deepspeed_config(path: str | os.PathLike[str]) -> dict[str, Any]:

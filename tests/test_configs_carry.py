@@ -129,3 +129,21 @@ def test_a_file_that_leaves_both_to_the_launcher_or_plans_alone_is_taken(tmp_pat
     sharded.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     invoke("solve", "--target", "64", "--max-micro", "8", "--deepspeed", str(sharded))  # no probe: nothing differs
     assert json.loads(sharded.read_text())["zero_optimization"] == {"stage": 2}
+
+
+def test_a_strategy_written_into_an_accelerate_plugin_section_keeps_the_users_other_keys(tmp_path):
+    # --strategy replaced the whole deepspeed_config section: gradient_clipping and zero3_save_16bit_model were lost
+    acc = tmp_path / "acc.yaml"
+    acc.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n  gradient_clipping: 1.0\n"
+                   "  zero3_save_16bit_model: true\n  zero_stage: 3\n")
+    invoke("solve", "--target", "512", "--gpus", "8", "--max-micro", "16", "--accelerate", str(acc), "--strategy", "zero3")
+    section = yaml.safe_load(acc.read_text())["deepspeed_config"]
+    assert section["gradient_clipping"] == 1.0 and section["zero3_save_16bit_model"] is True
+    assert section["zero_stage"] == 3 and section["gradient_accumulation_steps"] == 4
+    # another engine: its section trains nothing now, and goes; the new one is the plan's
+    fsdp = tmp_path / "fsdp.yaml"
+    fsdp.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")
+    invoke("solve", "--target", "64", "--gpus", "2", "--max-micro", "8", "--accelerate", str(fsdp), "--strategy", "zero2")
+    written = yaml.safe_load(fsdp.read_text())
+    assert written["distributed_type"] == "DEEPSPEED" and "fsdp_config" not in written
+    assert written["deepspeed_config"]["zero_stage"] == 2

@@ -293,9 +293,28 @@ def write_accelerate_config(
         kwargs.setdefault("mixed_precision", precision)
     config = accelerate_config(plan, deepspeed_config_file, **kwargs)
     if os.path.exists(path):
+        existing = read_config(path)
         asked = {key: config[key] for key in kwargs if key in config and key != "mixed_precision"}  # set explicitly
         if kwargs.get("strategy") is not None:  # the probed strategy decides how training shards
-            asked.update({key: config[key] for key in ("distributed_type", "fsdp_config", "deepspeed_config") if key in config})
-        config = {**merge_accelerate_config(plan, read_config(path), deepspeed_config_file, precision), **asked}
+            asked.update(_sharding(existing, config))
+        merged = merge_accelerate_config(plan, existing, deepspeed_config_file, precision)
+        config = {**{k: v for k, v in merged.items() if k not in _ENGINES or k in config}, **asked}
     comment = accelerate_comment(plan, deepspeed_config_file, kwargs.get("strategy"))
     return write_config(path, config, comment=comment)
+
+
+_ENGINES = ("fsdp_config", "deepspeed_config")  # one trains; the other's section is left from another plan
+
+
+def _sharding(existing: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The probed strategy's keys over an existing file's: its section (``fsdp_config``/``deepspeed_config``)
+    keeps the user's other keys (gradient_clipping, zero3_save_16bit_model, …), a DeepSpeed file it named gives
+    way to the plugin's own keys (accelerate takes one or the other), and the other engine's section goes."""
+    sharding = {"distributed_type": config["distributed_type"]} if "distributed_type" in config else {}
+    for key in _ENGINES:
+        if key not in config:
+            continue
+        old = existing.get(key)
+        old = {k: v for k, v in old.items() if k != "deepspeed_config_file"} if isinstance(old, dict) else {}
+        sharding[key] = {**old, **config[key]} if "deepspeed_config_file" not in config[key] else config[key]
+    return sharding

@@ -147,3 +147,22 @@ def test_a_strategy_written_into_an_accelerate_plugin_section_keeps_the_users_ot
     written = yaml.safe_load(fsdp.read_text())
     assert written["distributed_type"] == "DEEPSPEED" and "fsdp_config" not in written
     assert written["deepspeed_config"]["zero_stage"] == 2
+
+
+@pytest.mark.parametrize("flag, name, text", [
+    ("--accelerate", "acc.yaml", "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
+                                 "  deepspeed_config_file: {ds}\n"),
+    ("--hf", "hf.json", '{{"deepspeed": "{ds}", "per_device_train_batch_size": 4}}'),
+], ids=["accelerate", "hf"])
+def test_a_file_that_trains_from_a_deepspeed_file_needs_that_file_written_too(tmp_path, flag, name, text):
+    # the accelerate file was "written" (nothing changed) and the DeepSpeed file it trains from kept its batch of 32
+    ds, path = tmp_path / "team_ds.json", tmp_path / name
+    ds.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                              "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}))
+    path.write_text(text.format(ds=ds))
+    solve = ["solve", "--target", "64", "--gpus", "2", "--max-micro", "8", flag, str(path)]
+    refused = CliRunner().invoke(app, solve)
+    assert refused.exit_code == 2 and f"trains from the DeepSpeed file {ds}" in refused.output
+    assert f"add --deepspeed {ds}" in refused.output.replace("\n", " ")
+    invoke(*solve, "--deepspeed", str(ds))  # the fix, as the line gives it
+    assert json.loads(ds.read_text())["train_batch_size"] == 64

@@ -362,7 +362,7 @@ class Request:
                             f"{option('gpus_per_node')} N ranks), then launch with the one you pick")
 
     def _check_outputs(self, problems: list[str]) -> None:
-        from ..checking.outputs import outputs_train_otherwise, same_file_problems
+        from ..checking.outputs import output_problems
         from ..configs import check_plan_outputs
 
         if self.mode == "estimate" and self.plot is not None:
@@ -371,13 +371,12 @@ class Request:
         if self.mode == "estimate" and self.target is None and any(getattr(self, n) for n in ("deepspeed", "accelerate", "hf")):
             problems.append(f"{option('deepspeed')}, {option('accelerate')} and {option('hf')} write a plan, which "
                             f"needs {option('target')} (the global batch); add {option('target')} N")
-        problems.extend(same_file_problems({name: getattr(self, name) for name in _OUTPUTS}))
+        problems.extend(output_problems({name: getattr(self, name) for name in _OUTPUTS}, self.strategies,
+                                        self.precision, probed=self.model is not None))
         try:
             check_plan_outputs(**self.outputs())
         except AutobatchError as exc:
             problems.append(str(exc))
-        if self.model is not None:  # a probe's batch merged into a file that trains otherwise
-            problems.extend(outputs_train_otherwise(self.outputs(), self.strategies, self.precision))
         if self.plot is not None:
             from ..tuning.plot import check_plot_path
 

@@ -20,7 +20,36 @@ from ..strategy import Strategy, strategy_from_accelerate, strategy_from_deepspe
 from .hf import hf_strategy
 from .views import ds_precision
 
-__all__ = ["outputs_train_otherwise", "same_file_problems"]
+__all__ = ["output_problems", "outputs_train_otherwise", "same_file_problems", "named_deepspeed_problems"]
+
+
+def output_problems(outputs: Mapping[str, Any], strategies: tuple[Strategy, ...] | None, precision: str | None, *,
+                    probed: bool) -> list[str]:
+    """Every problem of the files a request writes (``outputs``: option name → path or ``None``), before the
+    first trial: two options naming one file, a DeepSpeed file an accelerate or HF file trains from that is not
+    written (unless the plan trains with FSDP or DDP instead, which replaces it), and (``probed``) a file that trains
+    otherwise than the probe."""
+    keeps_files = strategies is None or any(s.is_deepspeed for s in strategies)  # FSDP, ddp: the file's link goes
+    return (same_file_problems(outputs) + (named_deepspeed_problems(outputs) if keeps_files else [])
+            + (outputs_train_otherwise(outputs, strategies, precision) if probed else []))
+
+
+def named_deepspeed_problems(outputs: Mapping[str, Any]) -> list[str]:
+    """An existing accelerate or HF file that trains from a DeepSpeed file (``deepspeed_config_file``, or HF's
+    ``deepspeed`` path), where no ``deepspeed`` output is given: the batch lives in that file, so the plan
+    written beside it would never reach the job."""
+    if outputs.get("deepspeed") is not None:
+        return []
+    problems = []
+    for kind, inner in (("accelerate", lambda c: c.get("deepspeed_config")), ("hf", lambda c: c)):
+        config = _existing(outputs.get(kind))
+        section = inner(config) if config is not None else None
+        named = section.get("deepspeed_config_file" if kind == "accelerate" else "deepspeed") if isinstance(
+            section, Mapping) else None
+        if isinstance(named, str) and named.strip():
+            problems.append(f"{outputs[kind]} trains from the DeepSpeed file {named}, which holds the batch, so a plan "
+                            f"written beside it would not reach the job; add {option('deepspeed')} {named}")
+    return problems
 
 
 def same_file_problems(outputs: Mapping[str, Any]) -> list[str]:

@@ -85,6 +85,9 @@ def test_a_plan_that_accumulates_is_probed_with_the_gradients_held_and_trains_on
     report = autobatch.answer(request, on_note=notes.append)
     plan = report.plan
     assert report.request.grads_held and any("probed again with them held" in n for n in notes)
+    # the note names the plan the first trials gave, not the final one as if it were (it said "accumulates 3"
+    # where the plan printed below it accumulated 4)
+    assert any("(677 per GPU × 2 accumulation)" in n for n in notes), notes
     assert plan.grad_accum > 1 and plan.micro_batch * plan.grad_accum == 1354
     assert _accumulated_peak(request, report.finding.probe.max_batch, 2) <= budget
     freed = autobatch.answer(autobatch.Request(model="tiny-mlp", device="cpu", memory=budget, headroom=0))

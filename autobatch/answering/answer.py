@@ -93,7 +93,7 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         return _written(Report(request, plan), into=written, notes=notes)
     report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
     if held_again(report.request, report):  # its micro-steps hold the gradients the trials freed
-        note(HELD_NOTE.format(accum=report.plan.grad_accum))
+        note(HELD_NOTE.format(micro=report.plan.micro_batch, accum=report.plan.grad_accum))
         report = (_estimate if request.mode == "estimate" else _probe)(replace(request, grads_held=True), note, on_trial)
     if not report.main_rank:
         return _found_under(report)

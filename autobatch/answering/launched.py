@@ -40,7 +40,7 @@ def launched(request: Request, note: Callable[[str], None]) -> Report:
     with process_group("gloo" if backend.device.type == "cpu" else None, timeout_s=request.timeout):
         report = _launched_probe(request, env, backend)
         if held_again(request, report):
-            note(HELD_NOTE.format(accum=report.plan.grad_accum))
+            note(HELD_NOTE.format(micro=report.plan.micro_batch, accum=report.plan.grad_accum))
             report = _launched_probe(replace(request, grads_held=True), env, backend)
     return report
 

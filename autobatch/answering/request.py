@@ -343,7 +343,7 @@ class Request:
         if self.model is None and many:
             problems.append(f"a plan writes configs for one strategy, but {option('strategy')} names "
                             f"{len(strategies)}; pass one")
-        if many and any(getattr(self, name) is not None for name in _OUTPUTS):
+        elif many and any(getattr(self, name) is not None for name in _OUTPUTS):
             problems.append(f"configs and plots are written for one strategy, but {option('strategy')} names "
                             f"{len(strategies)}; compare them first, then run again with the one you pick")
         if self.table and strategies is not None:

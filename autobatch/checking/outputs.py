@@ -79,8 +79,9 @@ def _trains(kind: str, config: Mapping[str, Any]) -> tuple[Strategy | None, str 
         named = config.get("deepspeed_config_file")
         inner = _existing(named) if isinstance(named, str) else None
         mixed = str(config.get("mixed_precision", "no")).lower()
-        return (strategy_from_accelerate(config, inner), mixed if mixed in ("bf16", "fp16") else None,
-                "distributed_type")
+        kind_key = {"FSDP": "fsdp_config", "DEEPSPEED": "deepspeed_config"}.get(str(config.get("distributed_type")).upper())
+        key = "deepspeed_config.deepspeed_config_file" if inner is not None else kind_key or "distributed_type"
+        return strategy_from_accelerate(config, inner), mixed if mixed in ("bf16", "fp16") else None, key
     ds = config.get("deepspeed")
     ds = ds if isinstance(ds, Mapping) else _existing(ds) if isinstance(ds, str) else None
     found = hf_strategy(config)

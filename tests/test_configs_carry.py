@@ -98,11 +98,16 @@ TRAINS_OTHERWISE = [
     ("--hf", "hf.json", {"deepspeed": {"zero_optimization": {"stage": 3}}}, "trains with zero3 (deepspeed)",
      ["--strategy", "zero3"]),
     ("--hf", "hf.json", {"bf16": True}, "trains in bf16", ["--dtype", "bf16"]),
+    ("--hf", "hf.json", {"gradient_checkpointing": True}, "trains with gradient checkpointing", ["--grad-checkpointing"]),
+    ("--accelerate", "acc.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+     "  fsdp_activation_checkpointing: true\n", "trains with fsdp2 (fsdp_config) with gradient checkpointing",
+     ["--strategy", "fsdp2", "--grad-checkpointing"]),
 ]
 
 
 @pytest.mark.parametrize("flag, name, content, said, fix", TRAINS_OTHERWISE,
-                         ids=["ds-zero2", "ds-offload", "ds-bf16", "acc-fsdp2", "acc-fp16", "hf-fsdp2", "hf-zero3", "hf-bf16"])
+                         ids=["ds-zero2", "ds-offload", "ds-bf16", "acc-fsdp2", "acc-fp16", "hf-fsdp2", "hf-zero3", "hf-bf16",
+                              "hf-checkpointing", "acc-fsdp2-checkpointing"])
 def test_a_file_that_trains_otherwise_than_the_probe_is_named_before_the_first_trial(tmp_path, flag, name, content,
                                                                                     said, fix):
     path = tmp_path / name
@@ -114,7 +119,10 @@ def test_a_file_that_trains_otherwise_than_the_probe_is_named_before_the_first_t
     assert f"add {' '.join(fix)}" in result.output.replace("\n", " ")
     assert "max batch" not in result.output and path.read_text() == before  # refused before the first trial
     # given as the file trains, the request is taken (written into the file after the probe)
-    options = {k[2:]: v for k, v in zip(fix[::2], fix[1::2])}
+    options, rest = {}, list(fix)
+    while rest:  # "--flag value", or a bare "--flag" that turns it on
+        flag_name = rest.pop(0)[2:].replace("-", "_")
+        options[flag_name] = rest.pop(0) if rest and not rest[0].startswith("--") else True
     try:
         autobatch.Request(model="tiny-gpt2", device="cpu", memory="64MiB", target=64, **{flag[2:]: str(path)}, **options)
     except autobatch.RequestError as exc:  # an offload is no simulated budget's: that line only

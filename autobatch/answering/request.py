@@ -371,8 +371,8 @@ class Request:
         if self.mode == "estimate" and self.target is None and any(getattr(self, n) for n in ("deepspeed", "accelerate", "hf")):
             problems.append(f"{option('deepspeed')}, {option('accelerate')} and {option('hf')} write a plan, which "
                             f"needs {option('target')} (the global batch); add {option('target')} N")
-        problems.extend(output_problems({name: getattr(self, name) for name in _OUTPUTS}, self.strategies,
-                                        self.precision, probed=self.model is not None))
+        problems.extend(output_problems({name: getattr(self, name) for name in _OUTPUTS}, self.strategies, self.precision,
+                                        probed=self.model is not None, checkpointing=bool(self.grad_checkpointing)))
         try:
             check_plan_outputs(**self.outputs())
         except AutobatchError as exc:

@@ -24,14 +24,14 @@ __all__ = ["output_problems", "outputs_train_otherwise", "same_file_problems", "
 
 
 def output_problems(outputs: Mapping[str, Any], strategies: tuple[Strategy, ...] | None, precision: str | None, *,
-                    probed: bool) -> list[str]:
+                    probed: bool, checkpointing: bool = False) -> list[str]:
     """Every problem of the files a request writes (``outputs``: option name → path or ``None``), before the
     first trial: two options naming one file, a DeepSpeed file an accelerate or HF file trains from that is not
     written (unless the plan trains with FSDP or DDP instead, which replaces it), and (``probed``) a file that trains
     otherwise than the probe."""
     keeps_files = strategies is None or any(s.is_deepspeed for s in strategies)  # FSDP, ddp: the file's link goes
     return (same_file_problems(outputs) + (named_deepspeed_problems(outputs) if keeps_files else [])
-            + (outputs_train_otherwise(outputs, strategies, precision) if probed else []))
+            + (outputs_train_otherwise(outputs, strategies, precision, checkpointing) if probed else []))
 
 
 def named_deepspeed_problems(outputs: Mapping[str, Any]) -> list[str]:
@@ -69,38 +69,45 @@ def _existing(path: Any) -> dict[str, Any] | None:
     return config if isinstance(config, Mapping) else None
 
 
-def _trains(kind: str, config: Mapping[str, Any]) -> tuple[Strategy | None, str | None, str]:
-    """The strategy and precision (``"bf16"``/``"fp16"``; ``None``: fp32 or left to the launcher) ``config``
-    trains with, and the keys that say so."""
+def _trains(kind: str, config: Mapping[str, Any]) -> tuple[Strategy | None, str | None, str, bool]:
+    """The strategy, the precision (``"bf16"``/``"fp16"``; ``None``: fp32 or left to the launcher) and the
+    keys that say so, and whether it checkpoints activations, as ``config`` trains."""
     if kind == "deepspeed":
         precision = next((p for p in ("bf16", "fp16") if ds_precision(config, p)), None)
-        return strategy_from_deepspeed(config), precision, "zero_optimization.stage"
+        return strategy_from_deepspeed(config), precision, "zero_optimization.stage", False
     if kind == "accelerate":
-        named = config.get("deepspeed_config_file")
+        section = config.get("deepspeed_config")
+        named = section.get("deepspeed_config_file") if isinstance(section, Mapping) else None
         inner = _existing(named) if isinstance(named, str) else None
         mixed = str(config.get("mixed_precision", "no")).lower()
         kind_key = {"FSDP": "fsdp_config", "DEEPSPEED": "deepspeed_config"}.get(str(config.get("distributed_type")).upper())
-        key = "deepspeed_config.deepspeed_config_file" if inner is not None else kind_key or "distributed_type"
-        return strategy_from_accelerate(config, inner), mixed if mixed in ("bf16", "fp16") else None, key
+        key = f"{named}'s zero_optimization.stage" if inner is not None else kind_key or "distributed_type"
+        fsdp = config.get("fsdp_config")
+        checkpoints = isinstance(fsdp, Mapping) and str(fsdp.get("fsdp_activation_checkpointing")).lower() == "true"
+        return strategy_from_accelerate(config, inner), mixed if mixed in ("bf16", "fp16") else None, key, checkpoints
     ds = config.get("deepspeed")
     ds = ds if isinstance(ds, Mapping) else _existing(ds) if isinstance(ds, str) else None
     found = hf_strategy(config)
     strategy = found[0] if found is not None else strategy_from_deepspeed(ds) if ds is not None else None
     precision = next((p for p in ("bf16", "fp16") if config.get(p) is True), None)
-    return strategy, precision, "fsdp" if found is not None else "deepspeed"
+    return strategy, precision, "fsdp" if found is not None else "deepspeed", config.get("gradient_checkpointing") is True
 
 
 def outputs_train_otherwise(outputs: Mapping[str, Any], strategies: tuple[Strategy, ...] | None,
-                            precision: str | None) -> list[str]:
+                            precision: str | None, checkpointing: bool = False) -> list[str]:
     """One line for each existing output file (``outputs``: ``deepspeed``/``accelerate``/``hf`` paths) that
-    shards where ``strategies`` is ``None`` (no strategy given), or enables bf16/fp16 where ``precision`` is
-    ``None`` (fp32): the batch merged into it would be found under another step than it trains."""
+    shards where ``strategies`` is ``None`` (no strategy given), enables bf16/fp16 where ``precision`` is
+    ``None`` (fp32), or checkpoints activations where the probe does not: the batch merged into it would be
+    found under another step than it trains."""
     problems = []
     for kind in ("deepspeed", "accelerate", "hf"):
         config = _existing(outputs.get(kind))
         if config is None:
             continue
-        strategy, enabled, key = _trains(kind, config)
+        section = config.get("deepspeed_config") if kind == "accelerate" else None
+        if isinstance(section, Mapping) and section.get("deepspeed_config_file") and outputs.get("deepspeed"):
+            continue  # it trains from the --deepspeed file, whose own line says it
+        strategy, enabled, key, checkpoints = _trains(kind, config)
         trains, found, flags = [], [], []
         if strategies is None and strategy is not None and strategy.name != "ddp":
             trains.append(f"with {strategy.label} ({key})")
@@ -111,6 +118,10 @@ def outputs_train_otherwise(outputs: Mapping[str, Any], strategies: tuple[Strate
             trains.append(f"in {enabled}")
             found.append("in fp32")
             flags.append(f"{option('dtype')} {enabled}")
+        if checkpoints and not checkpointing:
+            trains.append("with gradient checkpointing")
+            found.append("without it")
+            flags.append(option("grad_checkpointing"))
         if trains:
             problems.append(f"{outputs[kind]} trains {' '.join(trains)}, but its batch would be found "
                             f"{' '.join(found)}; add {' '.join(flags)}" + (

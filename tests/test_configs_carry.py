@@ -148,6 +148,13 @@ def test_a_strategy_written_into_an_accelerate_plugin_section_keeps_the_users_ot
     section = yaml.safe_load(acc.read_text())["deepspeed_config"]
     assert section["gradient_clipping"] == 1.0 and section["zero3_save_16bit_model"] is True
     assert section["zero_stage"] == 3 and section["gradient_accumulation_steps"] == 4
+    # without --strategy the file keeps its engine and its whole section, and its header says where accumulation is
+    acc.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n  gradient_clipping: 1.0\n"
+                   "  zero_stage: 3\n  gradient_accumulation_steps: 1\n")
+    invoke("solve", "--target", "512", "--gpus", "8", "--max-micro", "16", "--accelerate", str(acc))
+    assert yaml.safe_load(acc.read_text())["deepspeed_config"] == {"gradient_clipping": 1.0, "zero_stage": 3,
+                                                                   "gradient_accumulation_steps": 4}
+    assert "gradient accumulation (4) is in deepspeed_config" in acc.read_text()
     # another engine: its section trains nothing now, and goes; the new one is the plan's
     fsdp = tmp_path / "fsdp.yaml"
     fsdp.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n")

@@ -170,15 +170,16 @@ def fsdp_plugin(strategy: Strategy | str) -> dict[str, Any]:
 
 
 def accelerate_comment(plan: Plan, deepspeed_config_file: str | os.PathLike[str] | None = None,
-                       strategy: Strategy | str | None = None) -> str:
-    """The header comment written above the YAML: the arithmetic and where accumulation lives."""
+                       strategy: Strategy | str | None = None, *, in_section: bool = False) -> str:
+    """The header comment written above the YAML: the arithmetic and where accumulation lives (``in_section``:
+    the DeepSpeed plugin's ``deepspeed_config`` holds it)."""
     strategy = as_strategy(strategy)  # a name ("zero3") as well as a Strategy
     lines = [f"written by autobatch: {plan}"]
     if strategy is not None:
         lines.append(f"micro batch probed under strategy {strategy.label} (shards {strategy.sharded})")
     if deepspeed_config_file is not None:
         lines.append(f"batch sizes and gradient accumulation ({plan.grad_accum}) live in {os.fspath(deepspeed_config_file)}")
-    elif strategy is not None and strategy.is_deepspeed:
+    elif in_section or (strategy is not None and strategy.is_deepspeed):
         lines.append(f"gradient accumulation ({plan.grad_accum}) is in deepspeed_config; DataLoader(batch_size={plan.micro_batch})")
     else:
         lines.append(
@@ -295,11 +296,15 @@ def write_accelerate_config(
     if os.path.exists(path):
         existing = read_config(path)
         asked = {key: config[key] for key in kwargs if key in config and key != "mixed_precision"}  # set explicitly
-        if kwargs.get("strategy") is not None:  # the probed strategy decides how training shards
-            asked.update(_sharding(existing, config))
         merged = merge_accelerate_config(plan, existing, deepspeed_config_file, precision)
-        config = {**{k: v for k, v in merged.items() if k not in _ENGINES or k in config}, **asked}
-    comment = accelerate_comment(plan, deepspeed_config_file, kwargs.get("strategy"))
+        if kwargs.get("strategy") is not None:  # the probed strategy decides how training shards
+            sharding = _sharding(existing, config)
+            merged = {k: v for k, v in merged.items() if k not in _ENGINES or k in sharding}
+            asked.update(sharding)
+        config = {**merged, **asked}
+    section = config.get("deepspeed_config")
+    in_section = isinstance(section, dict) and "gradient_accumulation_steps" in section
+    comment = accelerate_comment(plan, deepspeed_config_file, kwargs.get("strategy"), in_section=in_section)
     return write_config(path, config, comment=comment)
 
 

@@ -181,6 +181,13 @@ def test_help_lists_commands_in_the_order_a_user_needs_them():
     assert sorted(text.index(f"│ {name} ") for name in listed) == [text.index(f"│ {name} ") for name in listed]
 
 
+def test_every_commands_description_is_paragraphs_the_terminal_wraps():
+    # the docstrings' source line breaks were kept: "estimates for --gpu (or --gpu-memory) from a" then a ragged line
+    for name, cmd in commands().items():
+        paragraphs = (cmd.help or "").split("\n\n")
+        assert paragraphs[0] and all("\n" not in p for p in paragraphs), (name, cmd.help)
+
+
 @pytest.mark.parametrize("name", ["find", "solve", "check", "estimate", "tune", "verify-ga", "gpus", "models",
                                   "cache", "cache list", "cache clear"])
 def test_every_help_ends_with_examples_and_shows_no_bool_type(name):

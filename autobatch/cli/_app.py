@@ -11,6 +11,7 @@ own on stderr with their rank, never as stdout's JSON. Warnings (a damaged cache
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -277,6 +278,8 @@ def command(name: str, *, examples: Sequence[str] = (), on: typer.Typer | None =
                     raise typer.Exit(130) from None  # 128 + SIGINT, as a shell reports it
 
         epilog = "Examples:\n\n" + "\n\n".join(f"  $ {line}" for line in examples) if examples else None
+        if fn.__doc__ and "help" not in kwargs:  # each paragraph one line: the terminal wraps it, not the source
+            kwargs["help"] = "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(fn.__doc__).split("\n\n"))
         return (on or app).command(name, cls=AutobatchCommand, epilog=epilog, **kwargs)(wrapper)
 
     return register

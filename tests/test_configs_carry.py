@@ -127,6 +127,8 @@ def test_a_file_that_trains_otherwise_than_the_probe_is_named_before_the_first_t
         autobatch.Request(model="tiny-gpt2", device="cpu", memory="64MiB", target=64, **{flag[2:]: str(path)}, **options)
     except autobatch.RequestError as exc:  # an offload is no simulated budget's: that line only
         assert "trains" not in str(exc) and "offload" in options, exc
+    # where the fix leads to that line, the first says so and names the estimate that answers it
+    assert ("estimate it (`autobatch estimate`)" in result.output.replace("\n", " ")) == ("offload" in options)
 
 
 def test_a_file_that_leaves_both_to_the_launcher_or_plans_alone_is_taken(tmp_path):

@@ -372,7 +372,8 @@ class Request:
             problems.append(f"{option('deepspeed')}, {option('accelerate')} and {option('hf')} write a plan, which "
                             f"needs {option('target')} (the global batch); add {option('target')} N")
         problems.extend(output_problems({name: getattr(self, name) for name in _OUTPUTS}, self.strategies, self.precision,
-                                        probed=self.model is not None, checkpointing=bool(self.grad_checkpointing)))
+                                        probed=self.model is not None, checkpointing=bool(self.grad_checkpointing),
+                                        simulated=self.memory is not None))
         try:
             check_plan_outputs(**self.outputs())
         except AutobatchError as exc:

@@ -24,14 +24,14 @@ __all__ = ["output_problems", "outputs_train_otherwise", "same_file_problems", "
 
 
 def output_problems(outputs: Mapping[str, Any], strategies: tuple[Strategy, ...] | None, precision: str | None, *,
-                    probed: bool, checkpointing: bool = False) -> list[str]:
+                    probed: bool, checkpointing: bool = False, simulated: bool = False) -> list[str]:
     """Every problem of the files a request writes (``outputs``: option name → path or ``None``), before the
     first trial: two options naming one file, a DeepSpeed file an accelerate or HF file trains from that is not
     written (unless the plan trains with FSDP or DDP instead, which replaces it), and (``probed``) a file that trains
     otherwise than the probe."""
     keeps_files = strategies is None or any(s.is_deepspeed for s in strategies)  # FSDP, ddp: the file's link goes
     return (same_file_problems(outputs) + (named_deepspeed_problems(outputs) if keeps_files else [])
-            + (outputs_train_otherwise(outputs, strategies, precision, checkpointing) if probed else []))
+            + (outputs_train_otherwise(outputs, strategies, precision, checkpointing, simulated) if probed else []))
 
 
 def named_deepspeed_problems(outputs: Mapping[str, Any]) -> list[str]:
@@ -94,11 +94,12 @@ def _trains(kind: str, config: Mapping[str, Any]) -> tuple[Strategy | None, str 
 
 
 def outputs_train_otherwise(outputs: Mapping[str, Any], strategies: tuple[Strategy, ...] | None,
-                            precision: str | None, checkpointing: bool = False) -> list[str]:
+                            precision: str | None, checkpointing: bool = False, simulated: bool = False) -> list[str]:
     """One line for each existing output file (``outputs``: ``deepspeed``/``accelerate``/``hf`` paths) that
     shards where ``strategies`` is ``None`` (no strategy given), enables bf16/fp16 where ``precision`` is
     ``None`` (fp32), or checkpoints activations where the probe does not: the batch merged into it would be
-    found under another step than it trains."""
+    found under another step than it trains. ``simulated``: the probe runs on a CPU budget, which cannot hold an
+    offload's host apart, so a file that offloads is to be estimated instead."""
     problems = []
     for kind in ("deepspeed", "accelerate", "hf"):
         config = _existing(outputs.get(kind))
@@ -123,8 +124,11 @@ def outputs_train_otherwise(outputs: Mapping[str, Any], strategies: tuple[Strate
             found.append("without it")
             flags.append(option("grad_checkpointing"))
         if trains:
+            tail = ""
+            if strategies is None and simulated and strategy is not None and strategy.offload:
+                tail = " and estimate it (`autobatch estimate`): a CPU budget cannot hold the offload's host apart"
+            elif found == ["in fp32"]:
+                tail = f", or turn {enabled} off in the file"
             problems.append(f"{outputs[kind]} trains {' '.join(trains)}, but its batch would be found "
-                            f"{' '.join(found)}; add {' '.join(flags)}" + (
-                                f", or turn {enabled} off in the file" if len(trains) == 1 and found == ["in fp32"]
-                                else ""))
+                            f"{' '.join(found)}; add {' '.join(flags)}{tail}")
     return problems

@@ -2,9 +2,11 @@
 
 ``find --deepspeed ds.json`` on an existing ZeRO-2 file merges the batch into it and keeps its stage,
 so a batch found unsharded would be trained under ZeRO-2; one found in fp32 would be trained in the
-bf16 the file enables. A file that shards, or enables a precision, where the request says nothing of
-it is named here with the flag that probes as it trains. A strategy or precision the request does
-give is written into the files (the batch was found so), so it is no problem.
+bf16 the file enables. A file that shards, enables a precision or checkpoints activations where the
+request says nothing of it is named here with the flags that probe as it trains. A strategy or
+precision the request does give is written into the files (the batch was found so), so it is no
+problem. An accelerate or HF file that trains from a DeepSpeed file needs that file written too: the
+batch lives there.
 """
 
 from __future__ import annotations

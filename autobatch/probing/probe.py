@@ -120,8 +120,9 @@ def weights_error(exc: Exception, backend: MemoryBackend, what: str) -> Exceptio
 
 
 #: What frees memory when even the smallest batch runs out of it, said by every "nothing fits" error.
-NOTHING_FITS_FIX = ("use smaller inputs (shorter sequences, smaller images), bf16, gradient checkpointing, a smaller model "
-                    "or a larger device")
+NOTHING_FITS_FIX = ("use smaller inputs (shorter sequences, smaller images), lower precision (bf16 or fp16, or their "
+                    "pure weights, bf16-true or fp16-true, where one is on already), gradient checkpointing, a smaller "
+                    "model or a larger device")
 
 
 def resolve_headroom(headroom: float | int | str, capacity: int) -> int:

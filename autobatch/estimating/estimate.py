@@ -45,7 +45,7 @@ IS_THE_TRACE = "every trial of an estimate is itself a trace on fake tensors, so
 from ..units import format_bytes
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode, _ZeroScalars
 from .gpus import GpuSpec, resolve_gpu
-from .overheads import Overheads, beside_the_context, booked_on_gpu, booking_text, on_gpu
+from .overheads import Overheads, beside_the_context, booking_text, on_the_card
 from .replay import AllocationLog
 from .symbolic import BatchCurve, trace_curve
 
@@ -334,8 +334,7 @@ def estimate(
             raw = trace_trial(workload, model, batch, fake_mode=fake_mode, fused_attention=overheads.fused_attention,
                               log=log)
             requests = log.requests() if log is not None else []
-        trial = (booked_on_gpu(raw, requests, overheads, capacity, buckets) if booked
-                 else on_gpu(raw, overheads, capacity, buckets))
+        trial = on_the_card(raw, requests, overheads, capacity, buckets)
         traced.append(replace(raw, fits=trial.fits))  # one verdict per batch: the GPU's
         if on_trial is not None:
             on_trial(trial)

@@ -24,7 +24,7 @@ from .estimate import (IS_THE_TRACE, Estimate, dtype_label, reads_to_the_safe_ba
                        training_copy)
 from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode
 from .gpus import GpuSpec, resolve_gpu
-from .overheads import Overheads, beside_the_context, booked_on_gpu, on_gpu
+from .overheads import Overheads, beside_the_context, on_the_card
 from .replay import AllocationLog
 
 __all__ = ["FakeLengthRunner"]
@@ -63,16 +63,19 @@ class FakeLengthRunner:
         make_batch = self.workload.make_batch
         return replace(self.workload, make_batch=lambda b: make_batch(b, seq_len))
 
+    def _on_card(self, mode: str, seq_len: int, raw: Trial, requests: list[tuple[int, int | None]]) -> Trial:
+        """``raw`` as the card holds it (:func:`~.overheads.on_the_card`), kept with the card's verdict."""
+        trial = on_the_card(raw, requests, self.overheads, self.capacity, self.buckets)
+        self.traced.setdefault((mode, seq_len), []).append(replace(raw, fits=trial.fits))
+        return trial
+
     def _trace(self, mode: str, batch: int, seq_len: int, run: Callable[..., Trial]) -> Trial:
         # Booked through the caching allocator's model, as a one-length estimate is (the default), or by a multiplier.
         log = AllocationLog() if self.overheads.fragmentation is None else None
         backend = _FakeBackend(self.fake_mode, self.overheads.fused_attention, log=log,
                                recomputed=self.workload.grad_checkpointing)
         raw = replace(run(self._at(seq_len), self.model, backend, batch, log), seconds_per_step=None)
-        trial = (booked_on_gpu(raw, log.requests(), self.overheads, self.capacity, self.buckets) if log is not None
-                 else on_gpu(raw, self.overheads, self.capacity, self.buckets))
-        self.traced.setdefault((mode, seq_len), []).append(replace(raw, fits=trial.fits))
-        return trial
+        return self._on_card(mode, seq_len, raw, log.requests() if log is not None else [])
 
     def train(self, batch: int, seq_len: int) -> Trial:
         # One trace with a symbolic batch answers every batch its curve allows at this length, as for one length.
@@ -82,11 +85,7 @@ class FakeLengthRunner:
                                                  fused_attention=self.overheads.fused_attention, primed=not booked)
         curve = self.curves[seq_len]
         if curve is not None and curve.answers(batch):
-            raw = curve.trial(batch)
-            trial = (booked_on_gpu(raw, curve.requests(batch), self.overheads, self.capacity, self.buckets) if booked
-                     else on_gpu(raw, self.overheads, self.capacity, self.buckets))
-            self.traced.setdefault(("train", seq_len), []).append(replace(raw, fits=trial.fits))
-            return trial
+            return self._on_card("train", seq_len, curve.trial(batch), curve.requests(batch) if booked else [])
         return self._trace("train", batch, seq_len, lambda w, m, b, n, log: trace_trial(
             w, m, n, fake_mode=self.fake_mode, fused_attention=self.overheads.fused_attention, log=log))
 

@@ -42,7 +42,8 @@ from ..units import format_bytes
 from .gpus import GpuSpec
 from .replay import book
 
-__all__ = ["Overheads", "DEFAULT_FRAGMENTATION", "DEFAULT_WORKSPACE_BYTES", "on_gpu", "booked_on_gpu", "beside_the_context",
+__all__ = ["Overheads", "DEFAULT_FRAGMENTATION", "DEFAULT_WORKSPACE_BYTES", "on_gpu", "booked_on_gpu", "on_the_card",
+           "beside_the_context",
            "booking_text"]
 
 DEFAULT_FRAGMENTATION = 1.10
@@ -142,6 +143,15 @@ def booked_on_gpu(trial: Trial, requests: list[tuple[int, int | None]], overhead
         forward_backward_bytes=trial.forward_backward_bytes + held, optimizer_bytes=trial.optimizer_bytes + held,
         resident_bytes=None if trial.resident_bytes is None else trial.resident_bytes + held,
         alloc_retries=booking.retries)
+
+
+def on_the_card(trial: Trial, requests: list[tuple[int, int | None]], overheads: Overheads, capacity: int,
+                buckets: int = 0) -> Trial:
+    """The traced trial as the card holds it: its ``requests`` booked through the caching allocator's model
+    (:func:`booked_on_gpu`, the default), or by the multiplier the overheads set (:func:`on_gpu`)."""
+    if overheads.fragmentation is None:
+        return booked_on_gpu(trial, requests, overheads, capacity, buckets)
+    return on_gpu(trial, overheads, capacity, buckets)
 
 
 def beside_the_context(spec: GpuSpec, overheads: Overheads) -> int:

@@ -10,6 +10,7 @@ import atexit
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def job_killed() -> str:
 def job_leaves_a_mark_at_exit(mark: str) -> str:
     atexit.register(Path(mark).write_text, f"rank {_rank()} ran the interpreter's exit handlers")
     return "done"
+
+
+def job_reads_the_environment(name: str) -> tuple[str | None, int, bool]:
+    return os.environ.get(name), os.getppid(), "torch.distributed.fsdp" in sys.modules
 
 
 def _tiny_batch(b: int):
@@ -94,6 +99,20 @@ def test_workers_skip_the_interpreters_teardown(tmp_path):
     mark = tmp_path / "teardown-ran"
     assert spawn_local(job_leaves_a_mark_at_exit, (str(mark),), **SPAWN) == "done"
     assert not mark.exists()  # they end with os._exit, as launched ranks do
+
+
+def test_workers_fork_from_a_server_that_imported_torch_and_take_the_callers_environment_of_each_call(monkeypatch):
+    from multiprocessing import forkserver
+
+    modules = list(forkserver._forkserver._preload_modules)
+    monkeypatch.setenv("AUTOBATCH_TEST_MARK", "first")
+    value, parent, imported = spawn_local(job_reads_the_environment, ("AUTOBATCH_TEST_MARK",), **SPAWN)
+    assert (value, imported) == ("first", True) and parent != os.getpid()  # not spawned by this process
+    monkeypatch.setenv("AUTOBATCH_TEST_MARK", "second")  # the server started under "first" is kept
+    assert spawn_local(job_reads_the_environment, ("AUTOBATCH_TEST_MARK",), **SPAWN)[0] == "second"
+    monkeypatch.delenv("AUTOBATCH_TEST_MARK")
+    assert spawn_local(job_reads_the_environment, ("AUTOBATCH_TEST_MARK",), **SPAWN)[0] is None
+    assert forkserver._forkserver._preload_modules == modules  # the caller's setting, as it was
 
 
 def test_weights_that_do_not_fit_on_one_rank_stop_every_rank_with_the_same_error(tmp_path):

@@ -52,6 +52,8 @@ DEFAULT_TIMEOUT_S = 300.0
 # one clear error before NCCL's watchdog aborts the process.
 _WATCHDOG_MARGIN_S = 60.0
 _DESTROY_WAIT_S = 5.0
+# What spawn_local's fork server imports once for all its workers (what every probe on a rank needs).
+_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "autobatch.distributed.launch")
 
 
 def is_main_process() -> bool:
@@ -172,8 +174,11 @@ def _free_port() -> int:
 
 def _worker(
     local_rank: int, world: int, port: int, backend: str | None, timeout_s: float,
-    fn: Callable[..., Any], args: tuple[Any, ...], out: str,
+    fn: Callable[..., Any], args: tuple[Any, ...], out: str, env: dict[str, str],
 ) -> None:
+    # Forked from the fork server, this process has the server's environment: take the caller's.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -209,7 +214,9 @@ def spawn_local(
 
     Args:
         fn: a picklable function (defined at module level; a ``functools.partial`` of one works):
-            the workers are fresh interpreters. Build the workload inside it: lambdas in a
+            the workers are forked from a fresh interpreter (multiprocessing's fork server, which
+            imported torch once), never from this process, with this process's environment.
+            Build the workload inside it: lambdas in a
             :class:`~autobatch.probing.workload.Workload` do not pickle.
         args: its arguments, picklable.
         nprocs: workers to start; default the number of visible GPUs.
@@ -239,8 +246,8 @@ def spawn_local(
     deadline = time.monotonic() + 2 * timeout_s + 60
     with tempfile.TemporaryDirectory(prefix="autobatch-spawn-") as out:
         context = mp.start_processes(
-            _worker, args=(nprocs, _free_port(), backend, timeout_s, fn, args, out),
-            nprocs=nprocs, join=False, start_method="spawn",
+            _worker, args=(nprocs, _free_port(), backend, timeout_s, fn, args, out, dict(os.environ)),
+            nprocs=nprocs, join=False, start_method=_fork_server(),
         )
         try:
             while not context.join(timeout=0.5):
@@ -257,6 +264,22 @@ def spawn_local(
                     process.terminate()
                     process.join(5)
         return pickle.loads(Path(out, "result").read_bytes())
+
+
+def _fork_server() -> str:
+    """Start method ``"forkserver"``, its server running with torch imported once: each worker is
+    forked from it, fresh (no thread, no CUDA context), where ``"spawn"`` imported torch again in every
+    worker, seconds each. The caller's module list for a server started later is left as it was."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    before = list(getattr(server, "_preload_modules", ["__main__"]))
+    forkserver.set_forkserver_preload(before + [m for m in _PRELOAD if m not in before])
+    try:
+        forkserver.ensure_running()  # a server already running is kept, with what it imported
+    finally:
+        forkserver.set_forkserver_preload(before)
+    return "forkserver"
 
 
 def _worker_error(out: Path, exc: BaseException) -> AutobatchError:

@@ -96,3 +96,11 @@ def test_a_plan_that_accumulates_is_probed_with_the_gradients_held_and_trains_on
     # one micro-step a step holds nothing into a next forward: answered once, as it was
     whole = autobatch.answer(autobatch.Request(model="tiny-mlp", device="cpu", memory=budget, target=600, headroom=0))
     assert whole.plan.grad_accum == 1 and not whole.request.grads_held
+
+
+def test_the_probe_again_with_the_gradients_held_says_no_note_twice() -> None:
+    # The estimate's "no CUDA GPU here" note was printed once for each of the two estimates
+    notes: list[str] = []
+    report = autobatch.answer(autobatch.Request(model="tiny-gpt2", gpu="t4", target=1 << 16), on_note=notes.append)
+    assert report.request.grads_held and any(n.startswith("no CUDA GPU here") for n in notes)
+    assert len(notes) == len(set(notes)) and list(report.notes) == notes, notes

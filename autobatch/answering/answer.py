@@ -72,6 +72,8 @@ def answer(request: Request, *, on_trial: Callable[[Any], None] | None = None, o
     notes: list[str] = []
 
     def note(text: str) -> None:
+        if text in notes:  # the re-probe with the gradients held says the first probe's notes again
+            return
         notes.append(text)
         if on_note is not None:
             on_note(text)

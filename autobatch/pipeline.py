@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError, NoBatchFitsError, option
-from .estimating.background import TracedBeside, beside, between
+from .estimating.background import TracedBeside, beside, between, traced_between, unpaused
 from .estimating.prior import GuardedPrior, try_trace_prior
 from .planning.plan import Plan
 from .planning.solver import solve
@@ -154,8 +155,10 @@ def find_plan(
     With ``use_trace_prior`` (the default) an unwrapped probe's search is led by the fake-tensor
     trace of the same step (:func:`~autobatch.estimating.prior.try_trace_prior`), calibrated
     against the real trials: fewer trials, the same exact answer (it rests on trials that fit
-    and fail). A model the trace cannot follow is searched from its trials alone; ``False``
-    skips the trace (CLI: ``--no-trace-prior``).
+    and fail). A sharded probe's trace is the step wrapped as ``strategy`` wraps it
+    (:func:`sharded_trace_prior`), run between the trials, never for longer than they have taken
+    (:func:`~autobatch.estimating.background.traced_between`). A model the trace cannot follow is
+    searched from its trials alone; ``False`` skips the trace (CLI: ``--no-trace-prior``).
     """
     from .tuning.cache import cached_probe
 
@@ -178,10 +181,15 @@ def find_plan(
                     lead.saw(trial)
                     if seen is not None:
                         seen(trial)
+        elif use_trace_prior:
+            # Traced between the trials, never for longer than they have taken: a sharded step's trace
+            # (a wrapped fake copy) costs seconds a batch, more than a small model's trials save.
+            start = time.perf_counter()
+            prior = traced_between(sharded_trace_prior(
+                workload, chosen, min_batch=min_micro, allocator=booked_as(backend), deepspeed_config=deepspeed_config,
+                device_type=backend.device.type), spent=time.perf_counter() - start)
         else:
-            prior = sharded_trace_prior(workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
-                                        deepspeed_config=deepspeed_config, device_type=backend.device.type,
-                                        ) if use_trace_prior else NoTrace(TURNED_OFF)
+            prior = NoTrace(TURNED_OFF)
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
                                headroom=headroom, deepspeed_config=deepspeed_config, on_trial=on_trial, prior=prior)
         cached = False
@@ -232,8 +240,9 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
     def trace(batch: int, record: Any) -> tuple[float, float]:
         backend = fake_backend(template, 1 << 62, log=record, recomputed=workload.grad_checkpointing,
                                cuda_autocast=device_type == "cuda")
-        return phase_peaks(run_sharded_trial(workload, template, strategy, backend, batch,
-                                             deepspeed_config=deepspeed_config).trial)
+        with unpaused():  # a trace between the trials pauses before or after the wrapped copy, never in it
+            return phase_peaks(run_sharded_trial(workload, template, strategy, backend, batch,
+                                                 deepspeed_config=deepspeed_config).trial)
 
     return guarded_prior(replayed_prior(trace, first, allocator=allocator, name=workload.name), workload.name)
 

@@ -8,9 +8,11 @@ before any activation.
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import autobatch
 from autobatch.distributed.sharding import fsdp_units
@@ -18,6 +20,7 @@ from autobatch.distributed.simulated_world import probe_sharded
 from autobatch.distributed.zero import auto_bucket_sizes, zero_config
 from autobatch.errors import AutobatchError, NoBatchFitsError
 from autobatch.pipeline import TURNED_OFF, find_plan
+from autobatch.probing.workload import default_loss
 from autobatch.probing.backends import SimulatedBackend
 from autobatch.strategy import Strategy
 from tests import sharded_jobs
@@ -98,19 +101,37 @@ def test_find_answers_for_w_ranks_from_one_cpu() -> None:
     assert plan.world_size == 4 and plan.micro_batch * plan.grad_accum * 4 == 64
 
 
-def test_the_sharded_step_traced_on_fake_tensors_leads_the_search() -> None:
-    # The trace wraps a fake copy as FSDP2 wraps it, on the probe's own fake group of four,
-    # and replays it at any batch: the first guess is the answer, with the same exact result.
-    def trials(**options):
-        finding = find_plan(sharded_jobs.workload(), backend=SimulatedBackend("600KiB"), strategy="fsdp2",
-                            gpus_per_node=4, headroom=0, **options)
+def _dear_steps(loss_fn_of_fakes: bool):
+    # a real step (or a traced one, on fake tensors) of a quarter second, where the other does not wait
+    def loss_fn(model, x):
+        if isinstance(x, FakeTensor) == loss_fn_of_fakes:
+            time.sleep(0.25)
+        return default_loss(model, x)
+    return loss_fn
+
+
+def test_the_sharded_step_traced_on_fake_tensors_leads_the_search_where_the_trials_cost_more() -> None:
+    # The trace wraps a fake copy as FSDP2 wraps it, on the probe's own fake group of four, and replays
+    # it at any batch; it runs between the trials, each batch whole, never once they have taken less.
+    def trials(loss_fn=None, **options):
+        work = autobatch.Workload(sharded_jobs.blocks, sharded_jobs.batch, **({"loss_fn": loss_fn} if loss_fn else {}))
+        finding = find_plan(work, backend=SimulatedBackend("600KiB"), strategy="fsdp2", gpus_per_node=4, headroom=0,
+                            **options)
         said = finding.probe.trace_record  # and the result says so, or why not
         led = said["traced_batches"] if said["led"] else said["reason"]
-        return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials], led
+        return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials], led, said
 
-    assert trials() == (18, [(1, True), (18, True), (19, False)], [2, 4, 16, 64])
-    assert trials(use_trace_prior=False) == (18, [(1, True), (5, True), (23, False), (11, True), (16, True), (18, True), (19, False)],
-                                             TURNED_OFF)
+    alone = [(1, True), (5, True), (23, False), (11, True), (16, True), (18, True), (19, False)]
+    assert trials(use_trace_prior=False)[:3] == (18, alone, TURNED_OFF)
+    # Dear trials: the trace is done after the first and leads to the answer from there
+    best, tried, led, said = trials(_dear_steps(False))
+    assert best == 18 and said["between"] and said["from_trial"] == 1 and led == [2, 4, 16, 64], said
+    assert tried == [(1, True), (18, True), (19, False)]
+    # A dear trace: its first batch, begun in the first trial's time, outlasts all the trials, and no
+    # other is begun; the search is the trials' alone (it had waited for all four)
+    best, tried, led, said = trials(_dear_steps(True))
+    assert (best, tried) == (18, alone) and said["traced_batches"] == [2], said
+    assert led.startswith("the trials were cheaper than the trace"), led
 
 
 def test_fsdp_units_are_the_transformer_blocks() -> None:

@@ -233,3 +233,26 @@ def test_a_trace_between_never_lent_time_leaves_no_thread_behind():
     assert no_trace_thread()
     prior.stop()
     assert prior_report(prior)["trace_prior"]["reason"].startswith("the trials were cheaper than the trace")
+
+
+def test_a_trace_between_the_trials_pauses_before_or_after_an_unpaused_section_never_in_it():
+    # A sharded trace's wrapped copy holds DeepSpeed's groups while it steps: a trial run in a pause
+    # there built its engine on a group the trace then destroyed ("Group … is not registered")
+    steps = []
+
+    def whole(batch: int) -> float:
+        with background.unpaused():
+            for i in range(40):
+                torch.zeros(1)
+                time.sleep(0.002)
+                steps.append(i)
+        torch.zeros(1)  # where it may pause
+        return 1.0
+
+    prior = background.TracedBetween(GuardedPrior(whole, "whole"), [1, 2])
+    try:
+        prior.lend(0.001)  # far less than the section takes: it ends the section, then pauses
+        assert len(steps) == 40 and not prior.ready()
+    finally:
+        prior.stop()
+    assert no_trace_thread()

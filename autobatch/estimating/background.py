@@ -19,7 +19,9 @@ tiny model's step went from 0.011 s to 0.68 s beside it). There :func:`between` 
 in all than the trials have taken so far (:meth:`TracedBetween.lend`). A trace that costs more
 than the trials it would save (a tiny model's, whose steps take hundredths of a second) is given
 only the trials' own time, and the search ends without it; one that pays (a step of seconds) is
-ready after the first trial or two and leads from then on.
+ready after the first trial or two and leads from then on. A sharded probe's trace
+(:func:`autobatch.pipeline.sharded_trace_prior`) runs between its trials too, each traced batch
+whole once begun (:func:`unpaused`): its wrapped copy holds the wrapper's global state.
 
 Example:
     >>> import torch, autobatch
@@ -35,7 +37,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from ..probing.workload import Workload
 from .prior import WARM_TRACES, GuardedPrior, try_trace_prior, warm_batches
 
-__all__ = ["TracedBeside", "TracedBetween", "beside", "between", "NOT_READY", "NOT_PAID"]
+__all__ = ["TracedBeside", "TracedBetween", "beside", "between", "traced_between", "unpaused", "NOT_READY", "NOT_PAID"]
 
 NOT_READY = "the trials ended the search before the trace beside them was ready"
 # A trace run between the trials for no longer than they took, and not done when they were.
@@ -57,9 +60,24 @@ class _Cancelled(BaseException):
     for the trace's own failure."""
 
 
+_held = threading.local()  # .depth: a trace inside sections that do not pause (see unpaused)
+
+
+@contextmanager
+def unpaused() -> Iterator[None]:
+    """A section of a trace that runs whole once begun: a trace between the trials pauses at no
+    torch call in it, only before or after. A wrapped copy holds the wrapper's global state
+    (DeepSpeed's groups and patches) while it steps, which a trial run in a pause would share."""
+    _held.depth = getattr(_held, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _held.depth -= 1
+
+
 class _Cancel(TorchFunctionMode):
     """Stop the trace at its next torch call once ``event`` is set; with a ``gate``, wait at it
-    while the gate is shut (saying so by ``paused``)."""
+    while the gate is shut (saying so by ``paused``), outside :func:`unpaused` sections."""
 
     def __init__(self, event: threading.Event, gate: threading.Event | None = None,
                  paused: threading.Event | None = None):
@@ -67,7 +85,7 @@ class _Cancel(TorchFunctionMode):
         self.event, self.gate, self.paused = event, gate, paused
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        while self.gate is not None and not self.gate.is_set():
+        while self.gate is not None and not self.gate.is_set() and not getattr(_held, "depth", 0):
             self.paused.set()
             self.gate.wait()
         if self.event.is_set():
@@ -253,6 +271,12 @@ def between(workload: Workload, *, min_batch: int | None = None, allocator: str 
     """
     start = time.perf_counter()
     prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
+    return traced_between(prior, spent=time.perf_counter() - start)
+
+
+def traced_between(prior: GuardedPrior | None, *, spent: float = 0.0) -> TracedBetween | GuardedPrior | None:
+    """``prior`` (a trace not yet run) run between the trials (:class:`TracedBetween`), ``spent``
+    seconds already taken making it; a failed prior or none as it is."""
     if prior is None or prior.failure is not None:
         return prior
-    return TracedBetween(prior, warm_batches(prior.first), spent=time.perf_counter() - start)
+    return TracedBetween(prior, warm_batches(prior.first), spent=spent)

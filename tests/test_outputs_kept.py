@@ -184,3 +184,21 @@ def test_a_commented_deepspeed_file_keeps_its_numbers_as_written(tmp_path):
     written = ds.read_text()
     assert '"gradient_clipping": 1.0' in written and '"lr": 0.0003' in written and '"note": "a // b # c"' in written
     assert json.loads(written)["train_batch_size"] == 16 and (tmp_path / "ds.json.orig").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["solve", "--target", "16"],
+    ["find", "--model", "tiny-mlp", "--device", "cpu", "--memory", "2MiB", "--target", "16", "--max-micro", "16"],
+    ["estimate", "--model", "tiny-mlp", "--gpu", "t4", "--target", "16"],
+], ids=["solve", "find", "estimate"])
+def test_a_folder_made_for_the_files_is_said_once(command, tmp_path):
+    # the folder was made silently: a typo in it went unseen
+    files = ["--deepspeed", str(tmp_path / "new" / "ds.json"), "--hf", str(tmp_path / "new" / "deeper" / "hf.json"),
+             "--accelerate", str(tmp_path / "acc.yaml")]
+    first = invoke(*command, *files)
+    assert first.exit_code == 0, first.output
+    said = [line for line in first.stderr.splitlines() if "made the folder" in line]
+    assert said == [f"note: made the folders {tmp_path / 'new'}, {tmp_path / 'new' / 'deeper'}, which did not exist, "
+                    "for the files written"], first.stderr
+    again = invoke(*command, *files)
+    assert again.exit_code == 0 and "made the folder" not in again.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
         for chosen in request.strategies or ():
             if chosen.is_fsdp and chosen.unit is None:
                 note(SIZE_NOTE.format(strategy=chosen.name))
-        return _written(Report(request, plan), into=written, notes=notes)
+        return _written(Report(request, plan), into=written, notes=notes, note=note)
     report = (_estimate if request.mode == "estimate" else _probe)(request, note, on_trial)
     if held_again(report.request, report):  # its micro-steps hold the gradients the trials freed
         note(HELD_NOTE.format(micro=report.plan.micro_batch, accum=report.plan.grad_accum))
@@ -108,7 +109,7 @@ def _answer(request: Request, on_trial: Callable[[Any], None] | None, note: Note
     zero = report.probed_zero or {}
     if any(key in zero for key in BUCKET_KEYS) and request.accelerate is not None and request.deepspeed is None:
         note(PLUGIN_NOTE.format(accelerate=request.accelerate, held=_held(zero)))
-    return _written(report, into=written, notes=notes)
+    return _written(report, into=written, notes=notes, note=note)
 
 
 # solve knows no model, so no block to wrap: FSDP is written wrapped by size, and says so.
@@ -166,13 +167,17 @@ def _found_under(report: Report) -> Report:
     return replace(report, plan=replace(report.plan, trained_with=found))
 
 
-def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | None = None) -> Report:
+def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | None = None,
+             note: Note | None = None) -> Report:
     """The report with the configs (and the plot) its request names written, and what merging changed;
-    its plan carries what its batch was found under, which every config helper then trains with."""
+    its plan carries what its batch was found under, which every config helper then trains with.
+    A folder made for a file is noted."""
     from dataclasses import replace
 
     report = _found_under(report)
     request, plan = report.request, report.plan
+    paths = [Path(p) for p in (*request.outputs().values(), request.plot) if p is not None]
+    missing = sorted({p.parent for p in paths if not p.parent.exists()})
     written = {} if into is None else into
     changes: list[str] = []
     if plan is not None and len(report.rows) <= 1:  # the plan carries its strategy, precision, …: every file trains so
@@ -183,6 +188,9 @@ def _written(report: Report, *, into: dict[str, str] | None, notes: list[str] | 
 
         plot_probe(report.finding.probe, request.plot, chosen=plan.micro_batch)
         written["plot"] = str(request.plot)
+    made = [str(folder) for folder in missing if folder.is_dir()]
+    if made and note is not None:
+        note(f"made the folder{'s' if len(made) > 1 else ''} {', '.join(made)}, which did not exist, for the files written")
     return replace(report, written=dict(written), changes=tuple(changes), notes=tuple(notes or report.notes))
 
 

@@ -130,3 +130,12 @@ def test_a_rank_that_hangs_ends_the_agreement_with_one_clear_error_within_the_ti
                                              r"\(no answer within 3 s"):
         spawn_local(job_rank_1_hangs_in_setup, **SPAWN)  # the process group itself would wait 90 s
     assert time.monotonic() - start < 45
+
+
+def test_where_there_is_no_fork_server_the_workers_are_spawned(monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
+    monkeypatch.setenv("AUTOBATCH_TEST_MARK", "spawned")
+    value, parent, _ = spawn_local(job_reads_the_environment, ("AUTOBATCH_TEST_MARK",), **SPAWN)
+    assert value == "spawned" and parent == os.getpid()

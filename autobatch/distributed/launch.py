@@ -270,6 +270,10 @@ def _fork_server() -> str:
     """Start method ``"forkserver"``, its server running with torch imported once: each worker is
     forked from it, fresh (no thread, no CUDA context), where ``"spawn"`` imported torch again in every
     worker, seconds each. The caller's module list for a server started later is left as it was."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows has none
+        return "spawn"
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m benchmarks.wall"
 MODELS_FILE = "benchmarks/wall_models.py"
 
-__all__ = ["WallCase", "CASES", "run_one", "child", "run", "markdown", "main"]
+__all__ = ["WallCase", "CASES", "SHARDED", "run_one", "child", "run", "markdown", "main"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class WallCase:
     seq_len: int | None = None          # on a GPU
     cpu_seq_len: int | None = None      # on the CPU, where long sequences take minutes a step
     cpu_memory: str = "64MiB"           # the simulated budget on the CPU
+    strategy: str | None = None         # a sharded probe, as rank 0 of ``gpus``
+    gpus: int = 1
 
     def request(self, device: str, trace: bool, dtype: str) -> dict[str, Any]:
         cpu = device == "cpu"
@@ -45,6 +47,7 @@ class WallCase:
         return {
             "model": self.model if ":" not in self.model else str(ROOT / self.model),
             **({"seq_len": seq_len} if seq_len else {}),
+            **({"strategy": self.strategy, "gpus_per_node": self.gpus} if self.strategy else {}),
             "device": device,
             **({"memory": self.cpu_memory} if cpu else {}),
             "dtype": dtype,
@@ -59,6 +62,13 @@ CASES = [
     WallCase("vit-base", f"{MODELS_FILE}:vit_base", "vision (ViT-B/16, 224²)", cpu_memory="3GiB"),
     WallCase("bert-base", "bert-base", "BERT encoder, masked LM", seq_len=512, cpu_seq_len=128, cpu_memory="3GiB"),
     WallCase("clip-base", f"{MODELS_FILE}:clip_base", "contrastive (CLIP ViT-B/32)", cpu_memory="4GiB"),
+]
+# Sharded probes, as rank 0 of four on one device: the trace wraps a fake copy as the strategy does.
+SHARDED = [
+    WallCase("tiny-gpt2 zero1", "tiny-gpt2", "tiny decoder, ZeRO-1 on 4 GPUs", seq_len=64, cpu_seq_len=64,
+             cpu_memory="24MiB", strategy="zero1", gpus=4),
+    WallCase("tiny-llama fsdp2", "tiny-llama", "tiny Llama, FSDP2 on 4 GPUs", seq_len=64, cpu_seq_len=64,
+             cpu_memory="24MiB", strategy="fsdp2", gpus=4),
 ]
 
 
@@ -140,7 +150,7 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
     for row in rows:
         traced, alone = row["trace"], row["trials"]
         record = traced["trace_prior"] or {}
-        budget = next((c.cpu_memory for c in CASES if c.name == row["case"]), "") if device == "cpu" else (cap or "card")
+        budget = next((c.cpu_memory for c in CASES + SHARDED if c.name == row["case"]), "") if device == "cpu" else (cap or "card")
         lines.append(
             f"| {row['case']} | {row['kind']} | {budget} | {_answers(traced, alone)} | {traced['trials']} "
             f"({traced['oom_trials']} OOM) | {alone['trials']} ({alone['oom_trials']} OOM) | "
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
     parser.add_argument("--dtype", default=None, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--cap", default=None, help="GPU memory per process, e.g. 24GiB (default: the whole card)")
-    parser.add_argument("--cases", nargs="*", default=None, help="names from: " + ", ".join(c.name for c in CASES))
+    parser.add_argument("--cases", nargs="*", default=None, help="names from: " + ", ".join(c.name for c in CASES + SHARDED))
     parser.add_argument("--out", default=str(ROOT / "docs/benchmarks"))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
@@ -170,11 +180,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    by_name = {c.name: c for c in CASES}
+    by_name = {c.name: c for c in CASES + SHARDED}
     if args.one:
         print(json.dumps(run_one(by_name[args.one], device=args.device, trace=args.trace, dtype=dtype, cap=args.cap)))
         return []
-    cases = [by_name[n] for n in args.cases] if args.cases else CASES
+    cases = [by_name[n] for n in args.cases] if args.cases else CASES + SHARDED
     rows = run(cases, device=args.device, dtype=dtype, cap=args.cap)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

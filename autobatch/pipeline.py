@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,10 +183,9 @@ def find_plan(
         elif use_trace_prior:
             # Traced between the trials, never for longer than they have taken: a sharded step's trace
             # (a wrapped fake copy) costs seconds a batch, more than a small model's trials save.
-            start = time.perf_counter()
-            prior = traced_between(sharded_trace_prior(
+            prior = traced_between(lambda: sharded_trace_prior(
                 workload, chosen, min_batch=min_micro, allocator=booked_as(backend), deepspeed_config=deepspeed_config,
-                device_type=backend.device.type), spent=time.perf_counter() - start)
+                device_type=backend.device.type))
         else:
             prior = NoTrace(TURNED_OFF)
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,

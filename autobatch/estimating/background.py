@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -269,14 +269,16 @@ def between(workload: Workload, *, min_batch: int | None = None, allocator: str 
         >>> result.trace_record["led"], result.trace_record["between"]  # its trials took less than its trace
         (False, True)
     """
+    return traced_between(lambda: try_trace_prior(workload, min_batch=min_batch, allocator=allocator,
+                                                  device_type=device_type))
+
+
+def traced_between(make: Callable[[], GuardedPrior | None]) -> TracedBetween | GuardedPrior | None:
+    """The prior ``make`` returns (a trace not yet run) run between the trials (:class:`TracedBetween`),
+    the seconds making it took (its fake copy of the model) counted as the trace's; a failed prior or
+    none as it is."""
     start = time.perf_counter()
-    prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
-    return traced_between(prior, spent=time.perf_counter() - start)
-
-
-def traced_between(prior: GuardedPrior | None, *, spent: float = 0.0) -> TracedBetween | GuardedPrior | None:
-    """``prior`` (a trace not yet run) run between the trials (:class:`TracedBetween`), ``spent``
-    seconds already taken making it; a failed prior or none as it is."""
+    prior = make()
     if prior is None or prior.failure is not None:
         return prior
-    return TracedBetween(prior, warm_batches(prior.first), spent=spent)
+    return TracedBetween(prior, warm_batches(prior.first), spent=time.perf_counter() - start)

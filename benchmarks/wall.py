@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m benchmarks.wall"
 MODELS_FILE = "benchmarks/wall_models.py"
 
-__all__ = ["WallCase", "CASES", "SHARDED", "run_one", "child", "run", "markdown", "main"]
+__all__ = ["WallCase", "CASES", "SHARDED", "ALL", "run_one", "child", "run", "markdown", "main"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ SHARDED = [
     WallCase("tiny-llama fsdp2", "tiny-llama", "tiny Llama, FSDP2 on 4 GPUs", seq_len=64, cpu_seq_len=64,
              cpu_memory="24MiB", strategy="fsdp2", gpus=4),
 ]
+ALL = CASES + SHARDED  # what a run times by default, and the names --cases takes
 
 
 def run_one(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None) -> dict[str, Any]:
@@ -150,7 +151,7 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
     for row in rows:
         traced, alone = row["trace"], row["trials"]
         record = traced["trace_prior"] or {}
-        budget = next((c.cpu_memory for c in CASES + SHARDED if c.name == row["case"]), "") if device == "cpu" else (cap or "card")
+        budget = next((c.cpu_memory for c in ALL if c.name == row["case"]), "") if device == "cpu" else (cap or "card")
         lines.append(
             f"| {row['case']} | {row['kind']} | {budget} | {_answers(traced, alone)} | {traced['trials']} "
             f"({traced['oom_trials']} OOM) | {alone['trials']} ({alone['oom_trials']} OOM) | "
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
     parser.add_argument("--dtype", default=None, help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--cap", default=None, help="GPU memory per process, e.g. 24GiB (default: the whole card)")
-    parser.add_argument("--cases", nargs="*", default=None, help="names from: " + ", ".join(c.name for c in CASES + SHARDED))
+    parser.add_argument("--cases", nargs="*", default=None, help="names from: " + ", ".join(c.name for c in ALL))
     parser.add_argument("--out", default=str(ROOT / "docs/benchmarks"))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
@@ -180,11 +181,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    by_name = {c.name: c for c in CASES + SHARDED}
+    by_name = {c.name: c for c in ALL}
     if args.one:
         print(json.dumps(run_one(by_name[args.one], device=args.device, trace=args.trace, dtype=dtype, cap=args.cap)))
         return []
-    cases = [by_name[n] for n in args.cases] if args.cases else CASES + SHARDED
+    cases = [by_name[n] for n in args.cases] if args.cases else ALL
     rows = run(cases, device=args.device, dtype=dtype, cap=args.cap)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ from .fake_backends import _FakeBackend, _mode_of, _new_fake_mode, _ZeroScalars
 from .gpus import GpuSpec, resolve_gpu
 from .overheads import Overheads, beside_the_context, booking_text, on_the_card
 from .replay import AllocationLog
-from .symbolic import BatchCurve, trace_curve
+from .symbolic import BatchCurve, NotWhole, trace_curve
 
 __all__ = ["Estimate", "estimate", "trace_trial", "trace_batches", "fake_model", "training_copy", "load_fake_model",
            "dtype_label", "reads_to_the_safe_batch"]
@@ -72,14 +72,8 @@ class Estimate(BatchResult):
     estimated: bool = True
 
     def _details(self) -> dict[str, Any]:
-        return {
-            "estimated": True,
-            "gpu": self.gpu.to_dict(),
-            "dtype": self.dtype,
-            "overheads": self.overheads.to_dict(),
-            "seconds": round(self.seconds, 3),
-            "traced": [t.to_dict() for t in self.traced],
-        }
+        return {"estimated": True, "gpu": self.gpu.to_dict(), "dtype": self.dtype, "overheads": self.overheads.to_dict(),
+                "seconds": round(self.seconds, 3), "traced": [t.to_dict() for t in self.traced]}
 
     def __str__(self) -> str:
         lines = [
@@ -218,9 +212,17 @@ def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any,
     """:func:`trace_trial`'s steps traced once with a symbolic batch: its figures, and its requests to
     the allocator, at every batch the curve answers (:class:`~.symbolic.BatchCurve`), or ``None``
     where torch cannot trace it so. ``primed``: the one steady step after a step on zero gradients,
-    else two whole steps, whose first leaves the blocks the second reuses (for the allocator's model)."""
-    backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, primed)
-    return trace_curve(work, model, backend, steps=1 if primed else max(2, workload.steps))
+    else a log of whole steps for the allocator's model, made from that one step where it can be
+    (:func:`~.symbolic.whole_steps`), else traced whole (held gradients: the first backward makes them)."""
+    steps = max(2, workload.steps)
+    if primed or not workload.grads_held:
+        backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)
+        try:
+            return trace_curve(work, model, backend, whole=0 if primed else steps)
+        except NotWhole:  # the steps traced whole, below
+            pass
+    backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, False)
+    return trace_curve(work, model, backend, steps=steps)
 
 
 def _tracing(workload: Workload, fake_mode: Any, fused_attention: bool, log: Any, cuda_autocast: bool,

@@ -60,7 +60,8 @@ def test_the_wall_benchmark_times_both_searches_and_writes_its_table():
     # tiny-gpt2's trials take hundredths of a second, its trace about one: it runs between them for as
     # long as they took, and says so where it did not finish
     assert traced["between"] is True and runs["trials"]["trace_prior"]["led"] is False
-    assert traced["led"] or traced["reason"].startswith("the trials were cheaper than the trace")
+    assert traced["led"] or traced["reason"].startswith(("the trials were cheaper than the trace",
+                                                         "the trace would have cost more than the trials it saves"))
     for r in runs.values():
         r["process_seconds"] = r["answer_seconds"]
     text = wall.markdown([{"case": case.name, "kind": case.kind, **runs}], device="cpu", dtype="fp32", cap=None,

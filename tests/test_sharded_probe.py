@@ -127,11 +127,12 @@ def test_the_sharded_step_traced_on_fake_tensors_leads_the_search_where_the_tria
     best, tried, led, said = trials(_dear_steps(False))
     assert best == 18 and said["between"] and said["from_trial"] == 1 and led == [2, 4, 16, 64], said
     assert tried == [(1, True), (18, True), (19, False)]
-    # A dear trace: its first batch, begun in the first trial's time, outlasts all the trials, and no
-    # other is begun; the search is the trials' alone (it had waited for all four)
+    # A dear trace: its first batch, begun in the first trial's time, outlasts the trials that follow;
+    # at its pace the three batches left cost more than two trials, so it is given up, and the search is
+    # the trials' alone (it had waited for all four; then run as long as the trials had)
     best, tried, led, said = trials(_dear_steps(True))
     assert (best, tried) == (18, alone) and said["traced_batches"] == [2], said
-    assert led.startswith("the trials were cheaper than the trace"), led
+    assert led.startswith("the trace would have cost more than the trials it saves: "), led
 
 
 def test_fsdp_units_are_the_transformer_blocks() -> None:

@@ -183,6 +183,42 @@ def test_a_trace_between_cheap_trials_never_runs_longer_than_they_took_and_says_
     assert 0 < prior.trials_seconds and prior.used <= prior.trials_seconds + 0.2
 
 
+class _Paced:
+    """A trace of ``calls`` torch calls a batch, 2 ms apart (it pauses at them, so its time is its
+    own), that keeps what it traced."""
+
+    def __init__(self, calls: int):
+        self.calls, self.traced = calls, {}
+
+    def __call__(self, batch: int) -> float:
+        for _ in range(self.calls):
+            torch.zeros(1)
+            time.sleep(0.002)
+        self.traced[batch] = 100 + 7 * batch
+        return self.traced[batch]
+
+
+def test_a_trace_between_that_would_cost_more_than_it_saves_is_given_up_once_its_pace_is_known():
+    def trial(b: int) -> Trial:
+        time.sleep(0.05)
+        return oracle(b)
+
+    # About 0.12 s a traced batch, four to trace, against trials of 0.05 s: lent their time before
+    # each trial, it has traced one batch before the fourth (at 129, next to the fit at 128); what it
+    # still needs at its pace passes two such trials, so it is given up there, before that trial.
+    prior = background.TracedBetween(GuardedPrior(_Paced(60), "paced"), [2, 4, 16, 64])
+    outcome = search_max(trial, 1000, prior=prior)
+    assert batches(outcome) == [1, 25, 128, 129] and prior.cancelled and no_trace_thread()
+    record = prior_report(prior)["trace_prior"]
+    assert record["led"] is False and record["traced_batches"] == [2]
+    assert record["reason"].startswith("the trace would have cost more than the trials it saves: "), record["reason"]
+    assert "against about 0.05 s for the next trial" in record["reason"]
+    # where the trials cost more than the traced batches, the same trace pays and leads
+    dear = background.TracedBetween(GuardedPrior(_Paced(60), "paced"), [2, 4, 16, 64])
+    led = search_max(lambda b: time.sleep(0.4) or oracle(b), 1000, prior=dear)
+    assert prior_report(dear)["trace_prior"]["led"] is True and len(led.trials) < len(outcome.trials)
+
+
 def test_a_trace_between_dear_trials_leads_from_the_first_trial_after_it_is_done():
     work = _slow_steps()  # a second a trial; the trace of this MLP takes a fraction of that
     result = autobatch.probe(work, autobatch.SimulatedBackend("2MiB"), prior=background.between(work), headroom=0)
@@ -223,7 +259,8 @@ def test_the_trials_between_the_windows_of_a_trace_keep_their_random_numbers():
 def test_find_on_a_simulated_budget_traces_between_its_trials():
     finding = find_plan(mlp_workload(), backend=autobatch.SimulatedBackend("2MiB"), max_batch=256, headroom=0)
     record = finding.probe.trace_record
-    assert record["between"] is True and (record["led"] or record["reason"].startswith("the trials were cheaper"))
+    assert record["between"] is True and (record["led"] or record["reason"].startswith(
+        ("the trials were cheaper", "the trace would have cost more")))
     assert no_trace_thread()
 
 

@@ -18,7 +18,9 @@ tiny model's step went from 0.011 s to 0.68 s beside it). There :func:`between` 
 *between* the trials instead, paused at its next torch call while one runs, and never for longer
 in all than the trials have taken so far (:meth:`TracedBetween.lend`). A trace that costs more
 than the trials it would save (a tiny model's, whose steps take hundredths of a second) is given
-only the trials' own time, and the search ends without it; one that pays (a step of seconds) is
+only the trials' own time, and the search ends without it; once it has traced a batch, it is given
+up where what it still needs passes what it could save
+(:data:`~autobatch.probing.pending.SAVES` trials); one that pays (a step of seconds) is
 ready after the first trial or two and leads from then on. A sharded probe's trace
 (:func:`autobatch.pipeline.sharded_trace_prior`) runs between its trials too, each traced batch
 whole once begun (:func:`unpaused`): its wrapped copy holds the wrapper's global state.
@@ -47,12 +49,16 @@ from torch.overrides import TorchFunctionMode
 from ..probing.workload import Workload
 from .prior import WARM_TRACES, GuardedPrior, try_trace_prior, warm_batches
 
-__all__ = ["TracedBeside", "TracedBetween", "beside", "between", "traced_between", "unpaused", "NOT_READY", "NOT_PAID"]
+__all__ = ["TracedBeside", "TracedBetween", "beside", "between", "traced_between", "unpaused", "NOT_READY", "NOT_PAID",
+           "NOT_WORTH"]
 
 NOT_READY = "the trials ended the search before the trace beside them was ready"
 # A trace run between the trials for no longer than they took, and not done when they were.
 NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, before the trace, "
             "run between them for as long, was done")
+# A trace run between the trials given up once what it still needed passed what it could save.
+NOT_WORTH = ("the trace would have cost more than the trials it saves: {left:.2f} s more to trace at its pace, "
+             "against about {trial:.2f} s for the next trial; given up after {used:.2f} s")
 
 
 class _Cancelled(BaseException):
@@ -173,13 +179,15 @@ class TracedBetween(TracedBeside):
     The search calls :meth:`lend` before each trial with the seconds its trials have taken so far;
     the trace then runs until its own seconds reach them (or it is done) and pauses at its next
     torch call. So it never costs more than the trials did: where they are cheap, it does not
-    finish, and the search ends without it (``reason``: :data:`NOT_PAID`).
+    finish, and the search ends without it (``reason``: :data:`NOT_PAID`). Where what it still needs
+    passes what it could save, the search gives it up (:meth:`give_up`; ``reason``: :data:`NOT_WORTH`).
     """
 
     def __init__(self, prior: GuardedPrior, batches: Sequence[int], spent: float = 0.0):
         self._gate, self._paused = threading.Event(), threading.Event()
         self.used = spent  # seconds the trace has run (its fake copy included)
         self.trials_seconds = 0.0
+        self.not_worth: str | None = None  # why it was given up, if it was
         super().__init__(prior, batches)
 
     def _mode(self) -> _Cancel:
@@ -195,6 +203,12 @@ class TracedBetween(TracedBeside):
 
     def _spent(self) -> float:
         return self.used
+
+    def give_up(self, left: float, trial: float) -> None:
+        """Stop the trace for good: ``left`` seconds more would cost more than the trials it saves
+        (about ``trial`` seconds the next), said in the report."""
+        self.not_worth = NOT_WORTH.format(left=left, trial=trial, used=self.used)
+        self.stop()
 
     def finish_within(self, seconds: float) -> bool:
         self._run_for(seconds)
@@ -239,7 +253,7 @@ class TracedBetween(TracedBeside):
         said = super().report()
         said = {**said, "seconds": round(self.used, 3), "between": True}
         if said.get("reason") == NOT_READY:
-            said["reason"] = NOT_PAID.format(trials=self.trials_seconds)
+            said["reason"] = self.not_worth or NOT_PAID.format(trials=self.trials_seconds)
         return said
 
 

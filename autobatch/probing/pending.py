@@ -3,7 +3,8 @@
 The trace beside the trials (:class:`~autobatch.estimating.background.TracedBeside`, on a GPU)
 runs while they do; the trace between them (:class:`~autobatch.estimating.background.TracedBetween`,
 on the CPU they share) runs only when the search lends it time: before each trial, as long as the
-trials have taken so far. Either leads from the first trial after it is ready. The search waits
+trials have taken so far, and is given up once what it still needs passes what it could save
+(:data:`SAVES` trials at the next one's cost). Either leads from the first trial after it is ready. The search waits
 for it only where the trial it would run next should take longer than the trace still needs.
 
 Example:
@@ -25,7 +26,11 @@ from typing import Any
 
 from .trial import Trial
 
-__all__ = ["Pending", "stopped"]
+__all__ = ["Pending", "stopped", "SAVES"]
+
+# The trials a trace that leads saves where it pays: trials alone took 1 to 4 more than trace-led ones
+# on the models of docs/benchmarks/wall_cpu.md, 2 in the middle.
+SAVES = 2
 
 
 @contextmanager
@@ -72,10 +77,14 @@ class Pending:
 
     def wait_before(self, batch: int) -> bool:
         """Let the trace end first where it should sooner than a trial at ``batch`` would (the
-        largest fit's seconds, grown with the batch); whether it can lead now."""
+        largest fit's seconds, grown with the batch); whether it can lead now. A trace run between
+        the trials that needs more than :data:`SAVES` such trials is given up (``give_up``)."""
         left = getattr(self.prior, "remaining", lambda: None)()
         if left is None or not self.walls:
             return False
         fit = max(self.walls)
         cost = self.walls[fit] * max(1.0, batch / fit)
+        if left > SAVES * cost and callable(getattr(self.prior, "give_up", None)):
+            self.prior.give_up(left, cost)
+            return False
         return left <= cost and self.prior.finish_within(cost)

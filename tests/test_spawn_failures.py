@@ -139,3 +139,32 @@ def test_where_there_is_no_fork_server_the_workers_are_spawned(monkeypatch):
     monkeypatch.setenv("AUTOBATCH_TEST_MARK", "spawned")
     value, parent, _ = spawn_local(job_reads_the_environment, ("AUTOBATCH_TEST_MARK",), **SPAWN)
     assert value == "spawned" and parent == os.getpid()
+
+
+UNGUARDED_SCRIPT = """
+from autobatch.distributed import spawn_local
+
+def job():
+    return 1
+
+print(spawn_local(job, nprocs=2, backend="gloo", timeout_s=30))
+"""
+
+
+def test_a_script_calling_spawn_local_unguarded_is_told_to_guard_the_call(tmp_path):
+    # Each worker runs the calling script again as it starts (multiprocessing's bootstrapping): the
+    # call at its top level is refused there with the fix, and the caller's line points to it (it
+    # guessed the host's memory before)
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert run.returncode != 0
+    assert ("AutobatchError: spawn_local was called in a worker process as it started: each worker runs the calling "
+            "script again on start, so a call at the script's top level runs in every worker too; put the call under "
+            '`if __name__ == "__main__":`') in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.endswith("exited with code 1 before it could report an error (the traceback above says why); every "
+                         "other worker was stopped") and "out of host memory" not in run.stderr, run.stderr[-2000:]

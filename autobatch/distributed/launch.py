@@ -11,6 +11,7 @@ inside the group is :func:`autobatch.distributed.lockstep.probe_distributed`.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import pickle
 import re
@@ -53,6 +54,10 @@ DEFAULT_TIMEOUT_S = 300.0
 _WATCHDOG_MARGIN_S = 60.0
 _DESTROY_WAIT_S = 5.0
 # What spawn_local's fork server imports once for all its workers (what every probe on a rank needs).
+# A script that calls spawn_local at its top level, unguarded: each worker, starting, runs it again.
+UNGUARDED = ("spawn_local was called in a worker process as it started: each worker runs the calling script again "
+             "on start, so a call at the script's top level runs in every worker too; put the call under "
+             "`if __name__ == \"__main__\":`")
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "autobatch.distributed.launch")
 
 
@@ -237,6 +242,8 @@ def spawn_local(
     # Not re-exported by torch.multiprocessing, which exports only its two subclasses.
     from torch.multiprocessing.spawn import ProcessException
 
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # a worker starting runs the script again
+        raise AutobatchError(UNGUARDED)
     nprocs = torch.cuda.device_count() if nprocs is None else nprocs
     if not isinstance(nprocs, int) or nprocs < 1:
         raise AutobatchError(
@@ -293,11 +300,12 @@ def _worker_error(out: Path, exc: BaseException) -> AutobatchError:
     if not errors_:
         rank = getattr(exc, "error_index", None)
         signal = getattr(exc, "signal_name", None)
-        how = f"was killed by {signal}" if signal else f"exited with code {getattr(exc, 'exit_code', '?')}"
-        return AutobatchError(
-            f"rank {rank} {how} before it could report an error (out of host memory? the system log says); "
-            "every other worker was stopped"
-        )
+        # Killed by a signal (the kernel's out-of-memory killer sends one), or a Python error before the
+        # worker's own code ran (its traceback is above: a script calling spawn_local unguarded, UNGUARDED)
+        why = (f"was killed by {signal} before it could report an error (out of host memory? the system log says)"
+               if signal else f"exited with code {getattr(exc, 'exit_code', '?')} before it could report an error "
+               "(the traceback above says why)")
+        return AutobatchError(f"rank {rank} {why}; every other worker was stopped")
     # The rank that failed first is the one the others stopped for (they raise RankFailedError).
     rank, (name, message, ours) = next(
         ((r, e) for r, e in errors_.items() if e[0] != RankFailedError.__name__), next(iter(errors_.items())))

@@ -1,9 +1,12 @@
-"""The log of whole steps made from one steady step: the same requests and frees as the whole steps traced.
+"""What the symbolic trace makes from its prime instead of tracing (autobatch/estimating/made_log.py):
+the same requests and frees, and the same figures, as traced.
 
-The allocator's model books a trial's first step before its steady ones (the blocks the first
-leaves are the ones the next reuse), so the estimate's log is of whole steps. Traced, that is a
-second forward and backward; made from the primed trace (``symbolic.whole_steps``) it is half the
-tracing, and must be the same log, request for request, once the tokens are named alike.
+The optimizer's steady step of torch's own optimizers is their first (the prime's) without the state
+it makes (``made_log.steady_step``): the optimizer is stepped once, not twice. The allocator's model
+books a trial's first step before its steady ones (the blocks the first leaves are the ones the next
+reuse), so the estimate's log is of whole steps. Traced, that is a second forward and backward; made
+from the primed trace (``made_log.whole_steps``) it is half the tracing. Each must be the same log,
+request for request, once the tokens are named alike.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from autobatch import Workload
 from autobatch.estimating.estimate import estimate, fake_model, load_fake_model, trace_batches, training_copy
 from autobatch.estimating.fake_backends import _new_fake_mode
+from autobatch.probing.workload import OPTIMIZERS
 from tests.tiny import cnn_workload, lm_workload, mlp_workload
 
 symbolic = importlib.import_module("autobatch.estimating.symbolic")
@@ -119,3 +123,31 @@ def test_a_step_that_keeps_a_tensor_is_traced_whole_and_the_estimate_is_the_same
     traced = estimate(lm_workload(), gpu_memory="600MiB")
     assert [t.to_dict() for t in made.trials] == [t.to_dict() for t in traced.trials]
     assert made.extra["traced_once_for"] == traced.extra["traced_once_for"] != []
+
+
+class _Stepped(torch.optim.SGD):
+    """SGD under a name of its own: an optimizer the steady step is not made for."""
+
+
+@pytest.mark.parametrize("name,optimizer,held", [("mlp", o, h) for o in sorted(OPTIMIZERS) for h in (False, True)]
+                         + [("lm", "adamw", False)])
+def test_the_steady_optimizer_step_made_from_the_prime_is_the_one_traced(name, optimizer, held, monkeypatch):
+    mode = _new_fake_mode()
+    work = replace(SMALL[name](), optimizer=optimizer, grads_held=held, dtype="bf16")
+    work = replace(work, model=fake_model(work.model, mode))
+    made = trace_batches(work, work.model, fake_mode=mode)  # primed: the exact bytes' one steady step
+    monkeypatch.setattr(symbolic, "STEADY", ())  # no optimizer's step is made: each is traced
+    traced = trace_batches(work, work.model, fake_mode=mode)
+    _assert_same(made, traced)
+
+
+def test_another_optimizers_steady_step_is_traced_and_torchs_own_is_made(monkeypatch):
+    mode = _new_fake_mode()
+    base = replace(mlp_workload(), model=fake_model(mlp_workload().model, mode))
+    calls = []
+    real = torch.optim.SGD.step
+    monkeypatch.setattr(torch.optim.SGD, "step", lambda self, closure=None: calls.append(type(self).__name__)
+                        or real(self, closure))
+    for factory in (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: _Stepped(p, lr=0.1, momentum=0.9)):
+        assert trace_batches(replace(base, optimizer=factory), base.model, fake_mode=mode) is not None
+    assert calls == ["SGD", "_Stepped", "_Stepped"]  # SGD's steady step made from its prime; the other's traced

@@ -218,7 +218,7 @@ def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any,
     if primed or not workload.grads_held:
         backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)
         try:
-            return trace_curve(work, model, backend, whole=0 if primed else steps)
+            return trace_curve(work, model, backend, whole=0 if primed else steps, primed=True)
         except NotWhole:  # the steps traced whole, below
             pass
     backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, False)

@@ -29,8 +29,9 @@ from ..probing.memtrack import MemoryTracker
 from ..probing.progress import working
 from ..probing.trial import Trial, forward_backward
 from ..probing.workload import Workload, make_optimizer
+from .made_log import STEADY, steady_step, whole_steps, window
 
-__all__ = ["BatchCurve", "SymbolicTracker", "trace_curve", "whole_steps", "NotWhole"]
+__all__ = ["BatchCurve", "SymbolicTracker", "trace_curve", "NotWhole"]
 
 _HINT = 8  # the value torch assumes for the batch symbol where it must pick a branch (recorded as a guard)
 _PRUNE_AT = 4096  # candidate peaks kept before the dominated ones are dropped
@@ -214,7 +215,7 @@ class BatchCurve:
 
 
 def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps: int = 1,
-                whole: int = 0) -> BatchCurve | None:
+                whole: int = 0, primed: bool = False) -> BatchCurve | None:
     """Trace ``steps`` steps of ``model`` (fake, under ``backend.fake_mode``) with a symbolic batch.
 
     ``backend`` is the :class:`~.fake_backends._FakeBackend` a per-batch trace would run on, and
@@ -223,8 +224,11 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
     peak is the largest over the steps, as a trial's. ``None`` where torch cannot trace it so (the
     caller traces batch by batch).
 
-    ``whole``: the log as that many whole steps (:func:`whole_steps`), made from the one steady step
-    traced after a primed optimizer; :class:`NotWhole` where the step is not one the log can be made of.
+    ``primed``: the optimizer was primed (its state made by a step on zero gradients); for torch's own
+    optimizers the steady step is then made from that step, not traced (:func:`~.made_log.steady_step`).
+    ``whole``: the log as that many whole steps (:func:`~.made_log.whole_steps`), made from the one
+    steady step traced after a primed optimizer; :class:`NotWhole` where the step is not one the log
+    can be made of.
     """
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -255,10 +259,20 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
                     grads = [tracker.token(p.grad) if p.grad is not None else None for p in trained]
                     tracker.reset_peak()
                     phases["forward_backward"].update(tracker.windows[-1])
-                    opt.step()
+                    sizes = [p.numel() * p.element_size() for p in trained]
+                    made = (steady_step(tuple(tracker.log), marks[0], marks[1], sizes, grads)
+                            if primed and type(opt) in STEADY else None)
+                    start = tracker.current
+                    if made is None:
+                        opt.step()
                     opt.zero_grad(set_to_none=not workload.grads_held)
                     tracker.reset_peak()
-                    phases["optimizer"].update(tracker.windows[-1])
+                    if made is None:
+                        phases["optimizer"].update(tracker.windows[-1])
+                    else:  # the step made from the prime's, in place of the gradients' frees just logged
+                        del tracker.log[marks[-1]:]
+                        tracker.log.extend(made)
+                        phases["optimizer"].update(window(start, made, tuple(tracker.log)))
                 marks.append(len(tracker.log))
                 resident = tracker.current
             finally:
@@ -274,7 +288,6 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
         mode.shape_env, mode.static_shapes = saved
     log = tuple(tracker.log)
     if whole:
-        sizes = [p.numel() * p.element_size() for p in trained]
         made = whole_steps(log, marks, sizes, grads, whole)
         if made is None:
             logging.getLogger(__name__).debug("the whole steps traced: %s keeps or frees more", workload.name)
@@ -284,59 +297,3 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
     return BatchCurve(forward_backward=_envelope(phases["forward_backward"]), optimizer=_envelope(phases["optimizer"]),
                       resident=resident, guards=tuple(g.expr for g in env.guards), symbol=symbol,
                       smallest=max(1, int(low)), log=log)
-
-
-
-Log = tuple[tuple[int, Coefficients | None], ...]
-
-
-def whole_steps(log: Log, marks: list[int], sizes: list[int], grads: list[int | None], steps: int) -> Log | None:
-    """The log of ``steps`` whole steps, made from one traced after the optimizer was primed.
-
-    ``log`` is: the resident tensors; the prime (a gradient of zeros for each trained parameter, in
-    order, of ``sizes`` bytes; the optimizer's step on them, which makes its state; the gradients
-    freed); one steady step (its forward and backward, which leave the gradients ``grads``; its
-    optimizer step); what the trace freed after. ``marks`` are where the prime, the forward, the
-    optimizer step and the rest begin. A first step is its forward and backward again, then the
-    prime's optimizer step on that backward's gradients: the same requests as the first step a
-    trial runs, which the allocator's model must book before the steady ones (the blocks it leaves
-    are the ones they reuse), for half the tracing. ``None`` where the forward and backward keep
-    or free anything but their own tensors and the gradients, so a first one could differ.
-    """
-    prime_at, forward_at, optimizer_at, rest_at = marks
-    prime, forward, optimizer = log[prime_at:forward_at], log[forward_at:optimizer_at], log[optimizer_at:rest_at]
-    n = len(sizes)
-    zeros = [token for token, _ in prime[:n]]
-    if (len(prime) < n or any(size != (nbytes,) for (_, size), nbytes in zip(prime, sizes))
-            or None in grads or len(set(grads)) != n or len(set(zeros)) != n):
-        return None
-    made = {token for token, size in forward if size is not None}
-    freed = [token for token, size in forward if size is None]
-    if not set(freed) <= made or made - set(freed) != set(grads) or len(freed) != len(set(freed)):
-        return None  # a forward that frees what came before it, or keeps more than the gradients
-    fresh = iter(range(max(token for token, _ in log) + 1, 1 << 62))
-
-    def renamed(part: Log, own: set[int], also: dict[int, int] | None = None) -> tuple[Log, dict[int, int]]:
-        names = dict(also or {})
-        out = []
-        for token, size in part:
-            if size is not None and token in own:
-                names[token] = next(fresh)
-            out.append((names.get(token, token), size))
-        return tuple(out), names
-
-    first, names = renamed(forward, made)
-    to_grads = {zero: names[grad] for zero, grad in zip(zeros, grads)}
-    rest = prime[n:]
-    if any(size is not None and token in to_grads for token, size in rest) or \
-            sorted(token for token, size in rest if size is None and token in to_grads) != sorted(to_grads):
-        return None
-    stepped = tuple((to_grads.get(token, token), size) for token, size in rest)
-    again: Log = ()
-    if steps > 2:  # the steady step more than once: its own tensors renamed in each but the last
-        own = made | {token for token, size in optimizer if size is not None}
-        if any(size is None and token not in own for token, size in optimizer):
-            return None
-        for _ in range(steps - 2):
-            again += renamed(forward + optimizer, own)[0]
-    return log[:prime_at] + first + stepped + again + forward + optimizer + log[rest_at:]

@@ -53,11 +53,11 @@ DEFAULT_TIMEOUT_S = 300.0
 # one clear error before NCCL's watchdog aborts the process.
 _WATCHDOG_MARGIN_S = 60.0
 _DESTROY_WAIT_S = 5.0
-# What spawn_local's fork server imports once for all its workers (what every probe on a rank needs).
 # A script that calls spawn_local at its top level, unguarded: each worker, starting, runs it again.
 UNGUARDED = ("spawn_local was called in a worker process as it started: each worker runs the calling script again "
              "on start, so a call at the script's top level runs in every worker too; put the call under "
              "`if __name__ == \"__main__\":`")
+# What spawn_local's fork server imports once for all its workers (what every probe on a rank needs).
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "autobatch.distributed.launch")
 
 
@@ -277,8 +277,6 @@ def _fork_server() -> str:
     """Start method ``"forkserver"``, its server running with torch imported once: each worker is
     forked from it, fresh (no thread, no CUDA context), where ``"spawn"`` imported torch again in every
     worker, seconds each. The caller's module list for a server started later is left as it was."""
-    import multiprocessing
-
     if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows has none
         return "spawn"
     from multiprocessing import forkserver

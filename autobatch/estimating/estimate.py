@@ -213,7 +213,7 @@ def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any,
     the allocator, at every batch the curve answers (:class:`~.symbolic.BatchCurve`), or ``None``
     where torch cannot trace it so. ``primed``: the one steady step after a step on zero gradients,
     else a log of whole steps for the allocator's model, made from that one step where it can be
-    (:func:`~.symbolic.whole_steps`), else traced whole (held gradients: the first backward makes them)."""
+    (:func:`~.made_log.whole_steps`), else traced whole (held gradients: the first backward makes them)."""
     steps = max(2, workload.steps)
     if primed or not workload.grads_held:
         backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)

@@ -14,14 +14,17 @@ trace gives (``tests/test_whole_steps.py``):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..probing.eight_bit import EightBitAdamW
 
-__all__ = ["Log", "STEADY", "steady_step", "whole_steps", "window"]
+__all__ = ["Coefficients", "Log", "STEADY", "steady_step", "whole_steps", "window", "shifted"]
 
 Coefficients = tuple[int, ...]  # bytes as c0 + c1·b + c2·b² + … in the batch b
-Log = tuple[tuple[int, Coefficients | None], ...]  # requests (token, bytes) and frees (token, None), in order
+Event = tuple[int, Coefficients | None]  # a request (token, bytes) or a free (token, None)
+Log = tuple[Event, ...]  # the requests and frees in order
 # Optimizers whose steady step is their first without the state it makes: the step on every
 # built-in name (tests/test_whole_steps.py); another optimizer's step is traced.
 STEADY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adafactor, EightBitAdamW)
@@ -38,7 +41,8 @@ def _zeros(prime: Log, sizes: list[int], grads: list[int | None]) -> list[int] |
     return zeros
 
 
-def steady_step(log: Log, prime_at: int, forward_at: int, sizes: list[int], grads: list[int | None]) -> Log | None:
+def steady_step(log: Sequence[Event], prime_at: int, forward_at: int, sizes: list[int],
+                grads: list[int | None]) -> Log | None:
     """The optimizer's steady step and the gradients freed (or zeroed), made from the prime's step.
 
     ``log[prime_at:forward_at]`` is the prime: a gradient of zeros for each trained parameter (of
@@ -47,7 +51,7 @@ def steady_step(log: Log, prime_at: int, forward_at: int, sizes: list[int], grad
     never freed is the state; without it, its temporaries named anew and its gradients the
     backward's, the step is the steady one. ``None`` where the prime is not so.
     """
-    prime = log[prime_at:forward_at]
+    prime = tuple(log[prime_at:forward_at])
     zeros = _zeros(prime, sizes, grads)
     if zeros is None:
         return None
@@ -66,20 +70,24 @@ def steady_step(log: Log, prime_at: int, forward_at: int, sizes: list[int], grad
     return tuple(out)
 
 
-def window(start: Coefficients, part: Log, log: Log) -> set[Coefficients]:
+def shifted(total: Coefficients, by: Coefficients, sign: int) -> Coefficients:
+    """``total`` plus ``sign`` times ``by``, as polynomials in the batch (no trailing zero coefficient)."""
+    width = max(len(total), len(by))
+    out = [(total[k] if k < len(total) else 0) + sign * (by[k] if k < len(by) else 0) for k in range(width)]
+    while len(out) > 1 and out[-1] == 0:
+        out.pop()
+    return tuple(out)
+
+
+def window(start: Coefficients, part: Sequence[Event], log: Sequence[Event]) -> set[Coefficients]:
     """The live totals ``part`` goes through from ``start`` (after each request, as a tracker keeps a
     phase's window), the sizes of what it frees read from ``log``."""
     sizes = {token: size for token, size in log if size is not None}
-    current, seen = list(start), {start}
+    current, seen = start, {start}
     for token, size in part:
-        by, sign = (size, 1) if size is not None else (sizes[token], -1)
-        current += [0] * (len(by) - len(current))
-        for k, c in enumerate(by):
-            current[k] += sign * c
-        while len(current) > 1 and current[-1] == 0:
-            current.pop()
+        current = shifted(current, size, 1) if size is not None else shifted(current, sizes[token], -1)
         if size is not None:
-            seen.add(tuple(current))
+            seen.add(current)
     return seen
 
 

@@ -29,15 +29,12 @@ from ..probing.memtrack import MemoryTracker
 from ..probing.progress import working
 from ..probing.trial import Trial, forward_backward
 from ..probing.workload import Workload, make_optimizer
-from .made_log import STEADY, steady_step, whole_steps, window
+from .made_log import STEADY, Coefficients, shifted, steady_step, whole_steps, window
 
 __all__ = ["BatchCurve", "SymbolicTracker", "trace_curve", "NotWhole"]
 
 _HINT = 8  # the value torch assumes for the batch symbol where it must pick a branch (recorded as a guard)
 _PRUNE_AT = 4096  # candidate peaks kept before the dominated ones are dropped
-
-Coefficients = tuple[int, ...]  # c0 + c1·b + c2·b² + …
-
 
 def _value(coefficients: Coefficients, batch: int) -> int:
     return sum(c * batch ** k for k, c in enumerate(coefficients))
@@ -56,7 +53,7 @@ def _envelope(candidates: Iterable[Coefficients]) -> tuple[Coefficients, ...]:
 
 
 class NotWhole(Exception):
-    """A traced step the log of whole steps cannot be made from (:func:`whole_steps`): trace them whole."""
+    """A traced step the log of whole steps cannot be made from (:func:`~.made_log.whole_steps`): trace them whole."""
 
 
 class NotABatchPolynomial(Exception):
@@ -103,12 +100,7 @@ class SymbolicTracker(MemoryTracker):
         return known
 
     def _shift(self, by: Coefficients, sign: int) -> None:
-        width = max(len(self.current), len(by))
-        total = [(self.current[k] if k < len(self.current) else 0) + sign * (by[k] if k < len(by) else 0)
-                 for k in range(width)]
-        while len(total) > 1 and total[-1] == 0:
-            total.pop()
-        self.current = tuple(total)
+        self.current = shifted(self.current, by, sign)
 
     def _account(self, storage: torch.UntypedStorage, *, check_budget: bool) -> None:
         key, size = id(storage), self.coefficients(storage.nbytes())
@@ -247,6 +239,7 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
         with working(f"tracing {workload.name} once for every batch on fake tensors"), backend.track(
                 params + [b for b in model.buffers()]):
             trained = [p for p in params if p.requires_grad]
+            sizes = [p.numel() * p.element_size() for p in trained]
             marks = [len(tracker.log)]  # where the prime (if any), the forward, the optimizer step, the rest begin
             opt = make_optimizer(workload.optimizer, trained)
             try:
@@ -259,8 +252,7 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
                     grads = [tracker.token(p.grad) if p.grad is not None else None for p in trained]
                     tracker.reset_peak()
                     phases["forward_backward"].update(tracker.windows[-1])
-                    sizes = [p.numel() * p.element_size() for p in trained]
-                    made = (steady_step(tuple(tracker.log), marks[0], marks[1], sizes, grads)
+                    made = (steady_step(tracker.log, marks[0], marks[1], sizes, grads)
                             if primed and type(opt) in STEADY else None)
                     start = tracker.current
                     if made is None:
@@ -272,7 +264,7 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
                     else:  # the step made from the prime's, in place of the gradients' frees just logged
                         del tracker.log[marks[-1]:]
                         tracker.log.extend(made)
-                        phases["optimizer"].update(window(start, made, tuple(tracker.log)))
+                        phases["optimizer"].update(window(start, made, tracker.log))
                 marks.append(len(tracker.log))
                 resident = tracker.current
             finally:

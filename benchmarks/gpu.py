@@ -70,17 +70,21 @@ def _finds() -> list[str]:
     return sorted(finds, key=lambda line: "llama-1b" not in line)
 
 
+PARTS = ("peaks", "pytest", "wall", "finds")
+
+
 def run(out: Path, timeout: int = 150, budget: float = 540, cap: str = "16GiB",
-        peak_cases: list[str] | None = None) -> dict[str, Any]:
+        peak_cases: list[str] | None = None, parts: tuple[str, ...] = PARTS, thread: bool = False) -> dict[str, Any]:
     """Everything a GPU machine is for, most wanted first, within ``budget`` seconds in all: the
     peaks at fixed batches (``benchmarks.peaks``), ``pytest -m gpu``, the wall-time table on a card
-    capped at ``cap`` (``benchmarks.wall``), then the block's ``find`` lines. Each part is written
-    to ``out`` as it ends, so a run cut short keeps what it measured."""
-    from benchmarks import wall
-
+    capped at ``cap`` (``benchmarks.wall``; with ``thread``, once every case is timed, each case
+    again with the trace on a thread while time is left), then the block's ``find`` lines; only
+    the ``parts`` named. Each part is written to ``out`` as it ends, so a run cut short keeps what
+    it measured."""
     deadline = time.perf_counter() + budget
     out.mkdir(parents=True, exist_ok=True)
-    record: dict[str, Any] = {"card": _card(), "runs": [], "skipped": []}
+    record: dict[str, Any] = {"card": _card(), "runs": [], "skipped": [f"{p} (not asked)" for p in PARTS
+                                                                        if p not in parts]}
 
     def save() -> None:
         (out / "gpu.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -94,36 +98,26 @@ def run(out: Path, timeout: int = 150, budget: float = 540, cap: str = "16GiB",
             text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
             return f"timeout ({limit:.0f} s)", text(e.stdout), text(e.stderr), round(time.perf_counter() - start, 1)
 
-    rc, _, err, seconds = bounded([sys.executable, "-m", "benchmarks.peaks", "run", "--out", str(out / "peaks.json"),
-                                   *(["--cases", *peak_cases] if peak_cases else [])], min(150, _left(deadline) - 10))
-    record["peaks"] = {"rc": rc, "seconds": seconds, "stderr_tail": err[-3000:]}
-    print("peaks", rc, seconds, flush=True)
-    save()
-    # A GPU image may lack a dependency only test_tune imports at the top (optuna): leave that file out.
-    missing = [] if importlib.util.find_spec("optuna") else ["--ignore", "tests/test_tune.py"]
-    rc, stdout, stderr, seconds = bounded([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-k", "not gpu_command_runs",
-                                           "-p", "no:cacheprovider", *missing],
-                                          max(30.0, min(150, _left(deadline) - 200)))
-    (out / "pytest-gpu.txt").write_text(stdout + stderr)
-    record["pytest"] = {"rc": rc, "seconds": seconds, "summary": (stdout.strip().splitlines() or [""])[-1]}
-    print(record["pytest"], flush=True)
-    save()
-    record["wall"] = {"cap": cap, "rows": []}
-    for case in wall.CASES:
-        if _left(deadline) < 60:
-            record["skipped"].append(f"wall {case.name}")
-            continue
-        runs = {}
-        for mode in ("trace", "trials"):
-            try:
-                runs[mode] = wall.child(case, device="cuda", trace=mode == "trace", dtype="bf16", cap=cap,
-                                        timeout=min(90, _left(deadline) - 10))
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                runs[mode] = {"error": str(exc)[-1500:]}
-        record["wall"]["rows"].append({"case": case.name, "kind": case.kind, **runs})
-        print("wall", case.name, {m: r.get("max_batch", r.get("error", "")[:80]) for m, r in runs.items()}, flush=True)
+    if "peaks" in parts:
+        rc, _, err, seconds = bounded([sys.executable, "-m", "benchmarks.peaks", "run", "--out",
+                                       str(out / "peaks.json"), *(["--cases", *peak_cases] if peak_cases else [])],
+                                      min(150, _left(deadline) - 10))
+        record["peaks"] = {"rc": rc, "seconds": seconds, "stderr_tail": err[-3000:]}
+        print("peaks", rc, seconds, flush=True)
         save()
-    for line in _finds():
+    if "pytest" in parts:
+        # A GPU image may lack a dependency only test_tune imports at the top (optuna): leave that file out.
+        missing = [] if importlib.util.find_spec("optuna") else ["--ignore", "tests/test_tune.py"]
+        rc, stdout, stderr, seconds = bounded([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-k",
+                                               "not gpu_command_runs", "-p", "no:cacheprovider", *missing],
+                                              max(30.0, min(150, _left(deadline) - 200)))
+        (out / "pytest-gpu.txt").write_text(stdout + stderr)
+        record["pytest"] = {"rc": rc, "seconds": seconds, "summary": (stdout.strip().splitlines() or [""])[-1]}
+        print(record["pytest"], flush=True)
+        save()
+    if "wall" in parts:
+        _wall(record, cap, deadline, thread, save)
+    for line in _finds() if "finds" in parts else ():
         if _left(deadline) < 40:
             record["skipped"].append(line)
             continue
@@ -140,6 +134,42 @@ def run(out: Path, timeout: int = 150, budget: float = 540, cap: str = "16GiB",
         save()
     save()
     return record
+
+
+def _wall(record: dict[str, Any], cap: str, deadline: float, thread: bool, save: Callable[[], None]) -> None:
+    """The wall-time table's runs, into ``record["wall"]``: every case trace-led and alone, then,
+    with ``thread``, each again traced on a thread of the trials' process while time is left."""
+    from benchmarks import wall
+
+    record["wall"] = {"cap": cap, "rows": [], "date": record["card"]["date"]}
+
+    def timed(case: Any, mode: str) -> dict[str, Any]:
+        trace, beside = wall.MODES[mode]
+        try:
+            return wall.child(case, device="cuda", trace=trace, beside=beside, dtype="bf16", cap=cap,
+                              timeout=min(90, _left(deadline) - 10))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            return {"error": str(exc)[-1500:]}
+
+    for case in wall.CASES:
+        if _left(deadline) < 60:
+            record["skipped"].append(f"wall {case.name}")
+            continue
+        runs = {mode: timed(case, mode) for mode in ("trace", "trials")}
+        record["wall"]["rows"].append({"case": case.name, "kind": case.kind, **runs})
+        print("wall", case.name, {m: r.get("max_batch", r.get("error", "")[:80]) for m, r in runs.items()}, flush=True)
+        save()
+    def cost(pair: tuple[dict[str, Any], Any]) -> float:  # what the trace still cost there, most first
+        row = pair[0]
+        return -(row["trace"].get("process_seconds", 0) - row["trials"].get("process_seconds", 0))
+
+    for row, case in sorted(zip(record["wall"]["rows"], wall.CASES), key=cost) if thread else ():
+        if _left(deadline) < 60:
+            record["skipped"].append(f"wall {case.name} on a thread")
+            continue
+        row["thread"] = timed(case, "thread")
+        print("wall", case.name, "on a thread", row["thread"].get("process_seconds"), flush=True)
+        save()
 
 
 def _settings(command: str) -> tuple[str, str]:
@@ -210,8 +240,9 @@ def wall_table(record: dict[str, Any]) -> str:
 
     rows = [r for r in record["wall"]["rows"] if "error" not in r["trace"] and "error" not in r["trials"]]
     cap = record["wall"]["cap"]
-    return wall.markdown(rows, device="cuda", dtype="bf16", cap=cap, argv=["--device", "cuda", "--cap", cap],
-                         date=record["card"]["date"])
+    thread = ["--thread"] if any("thread" in r for r in rows) else []
+    return wall.markdown(rows, device="cuda", dtype="bf16", cap=cap, argv=["--device", "cuda", "--cap", cap, *thread],
+                         date=record["wall"].get("date", record["card"]["date"]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,11 +254,14 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--budget", type=float, default=540, help="seconds for the whole run")
     r.add_argument("--cap", default="16GiB", help="GPU memory per process for the wall-time table")
     r.add_argument("--peak-cases", nargs="*", default=None, help="benchmarks.peaks cases (default: all)")
+    r.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS), help="what to run (default: all)")
+    r.add_argument("--thread", action="store_true",
+                   help="the wall table also times each case traced on a thread of the trials' process")
     p = sub.add_parser("report")
     p.add_argument("source", nargs="?", default=str(ROOT / "docs/benchmarks/gpu.json"))
     args = parser.parse_args(argv)
     if args.what == "run":
-        run(Path(args.out), args.timeout, args.budget, args.cap, args.peak_cases)
+        run(Path(args.out), args.timeout, args.budget, args.cap, args.peak_cases, tuple(args.parts), args.thread)
     else:
         print(report(Path(args.source)))
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = "python -m benchmarks.wall"
 MODELS_FILE = "benchmarks/wall_models.py"
 
-__all__ = ["WallCase", "CASES", "SHARDED", "ALL", "run_one", "child", "run", "markdown", "main"]
+__all__ = ["WallCase", "CASES", "SHARDED", "ALL", "MODES", "run_one", "child", "run", "markdown", "main"]
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,18 @@ SHARDED = [
 ALL = CASES + SHARDED  # what a run times by default, and the names --cases takes
 
 
-def run_one(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None) -> dict[str, Any]:
-    """One ``answer`` in this process: its batch, trials and seconds (called in the child)."""
+def run_one(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None,
+            beside: str = "fork") -> dict[str, Any]:
+    """One ``answer`` in this process: its batch, trials and seconds (called in the child).
+    ``beside="thread"`` traces beside GPU trials on a thread of this process, as before the trace
+    was forked (:mod:`autobatch.estimating.forked`), for the comparison."""
     import torch
 
     import autobatch
+    from autobatch.estimating import forked
     from autobatch.units import parse_bytes
+
+    forked.FORKS = forked.FORKS and beside == "fork"
 
     if device == "cuda" and cap:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -92,16 +98,17 @@ def run_one(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | 
         "trials": len(result.trials),
         "oom_trials": sum(not t.fits for t in result.trials),
         "trace_prior": result.trace_record,
+        "steps": [[t.batch, t.fits, t.seconds_per_step] for t in result.trials],  # each trial: batch, fit, s/step
         "answer_seconds": round(seconds, 2),
         "device_name": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
     }
 
 
 def child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None,
-          timeout: float | None = None) -> dict[str, Any]:
+          timeout: float | None = None, beside: str = "fork") -> dict[str, Any]:
     """:func:`run_one` in a fresh process, as a user's ``autobatch find`` runs, with its wall time."""
     argv = [sys.executable, "-m", "benchmarks.wall", "--one", case.name, "--device", device, "--dtype", dtype,
-            "--trace" if trace else "--no-trace", *(["--cap", cap] if cap else [])]
+            "--trace" if trace else "--no-trace", *(["--cap", cap] if cap else []), "--beside", beside]
     start = time.perf_counter()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
@@ -110,11 +117,17 @@ def child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | No
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_seconds": round(wall, 2)}
 
 
-def run(cases: list[WallCase], *, device: str, dtype: str, cap: str | None) -> list[dict[str, Any]]:
+MODES = {"trace": (True, "fork"), "trials": (False, "fork"), "thread": (True, "thread")}  # trace?, beside
+
+
+def run(cases: list[WallCase], *, device: str, dtype: str, cap: str | None,
+        thread: bool = False) -> list[dict[str, Any]]:
+    """Each case's searches, each in a fresh process: trace-led and alone (and, with ``thread``,
+    trace-led with the trace on a thread of the trials' process, as it ran before it was forked)."""
     rows = []
     for case in cases:
-        runs = {mode: child(case, device=device, trace=mode == "trace", dtype=dtype, cap=cap)
-                for mode in ("trace", "trials")}
+        runs = {mode: child(case, device=device, trace=MODES[mode][0], beside=MODES[mode][1], dtype=dtype, cap=cap)
+                for mode in ("trace", "trials", *(("thread",) if thread else ()))}
         # On the CPU both must agree (one deterministic budget); on a real GPU they may not, where
         # the fit is not monotone near the edge (kernels and the allocator's blocks change with the
         # batch): the table shows both.
@@ -138,6 +151,7 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
     name = rows[0]["trace"]["device_name"] if rows else device
     where = (f"{name}, capped at {cap} per process" if cap else name) if device == "cuda" else (
         f"CPU ({name}), simulated budgets as listed")
+    threads = any("thread" in row for row in rows)
     lines = [
         f"# Wall time: the trace leading against trials alone ({device})",
         "",
@@ -145,23 +159,33 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
         "",
         f"{date or dt.date.today().isoformat()} · {where} · {dtype} · AdamW · headroom 0 · each run a fresh process",
         "",
-        "| model | what | budget | answer | trials: trace-led | trials alone | wall s: trace-led | alone | trace s | led |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| model | what | budget | answer | trials: trace-led | trials alone | wall s: trace-led | alone | "
+        + ("on a thread | " if threads else "") + "trace s | led |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if threads else "") + "---|",
     ]
     for row in rows:
         traced, alone = row["trace"], row["trials"]
         record = traced["trace_prior"] or {}
         budget = next((c.cpu_memory for c in ALL if c.name == row["case"]), "") if device == "cpu" else (cap or "card")
+        on_thread = (f"{row['thread']['process_seconds']:.1f} | " if "process_seconds" in row.get("thread", {})
+                     else "– | ") if threads else ""
         lines.append(
             f"| {row['case']} | {row['kind']} | {budget} | {_answers(traced, alone)} | {traced['trials']} "
             f"({traced['oom_trials']} OOM) | {alone['trials']} ({alone['oom_trials']} OOM) | "
-            f"{traced['process_seconds']:.1f} | {alone['process_seconds']:.1f} | "
+            f"{traced['process_seconds']:.1f} | {alone['process_seconds']:.1f} | {on_thread}"
             f"{record.get('seconds') if record.get('seconds') is not None else '–'} | "
             f"{'yes' if record.get('led') else 'no: ' + str(record.get('reason') or record.get('failure'))} |"
         )
     total_t = sum(r["trace"]["process_seconds"] for r in rows)
     total_a = sum(r["trials"]["process_seconds"] for r in rows)
-    lines += ["", f"Total wall time: {total_t:.1f} s trace-led, {total_a:.1f} s trials alone.", ""]
+    lines += ["", f"Total wall time: {total_t:.1f} s trace-led, {total_a:.1f} s trials alone."]
+    timed = [r for r in rows if "process_seconds" in r.get("thread", {})]
+    if timed:
+        lines[-1] += (f" Where the trace also ran on a thread of the trials' process ({len(timed)} of {len(rows)}): "
+                      f"{sum(r['thread']['process_seconds'] for r in timed):.1f} s that way, "
+                      f"{sum(r['trace']['process_seconds'] for r in timed):.1f} s forked, "
+                      f"{sum(r['trials']['process_seconds'] for r in timed):.1f} s alone.")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -175,6 +199,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--out", default=str(ROOT / "docs/benchmarks"))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
+    parser.add_argument("--beside", choices=["fork", "thread"], default="fork", help=argparse.SUPPRESS)
+    parser.add_argument("--thread", action="store_true",
+                        help="also time each case traced on a thread of the trials' process (a GPU's trace "
+                             "runs forked), for the comparison")
     args = parser.parse_args(argv)
     if args.device is None:
         import torch
@@ -183,10 +211,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     by_name = {c.name: c for c in ALL}
     if args.one:
-        print(json.dumps(run_one(by_name[args.one], device=args.device, trace=args.trace, dtype=dtype, cap=args.cap)))
+        print(json.dumps(run_one(by_name[args.one], device=args.device, trace=args.trace, dtype=dtype, cap=args.cap,
+                                 beside=args.beside)))
         return []
     cases = [by_name[n] for n in args.cases] if args.cases else ALL
-    rows = run(cases, device=args.device, dtype=dtype, cap=args.cap)
+    rows = run(cases, device=args.device, dtype=dtype, cap=args.cap, thread=args.thread)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shown = [a for i, a in enumerate(argv) if not a.startswith("--out") and not (i and argv[i - 1] == "--out")]

@@ -47,6 +47,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..probing.workload import Workload
+from . import forked
+from .forked import ForkedBeside
 from .prior import WARM_TRACES, GuardedPrior, try_trace_prior, warm_batches
 
 __all__ = ["TracedBeside", "TracedBetween", "beside", "between", "traced_between", "unpaused", "NOT_READY", "NOT_PAID",
@@ -258,8 +260,11 @@ class TracedBetween(TracedBeside):
 
 
 def beside(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",
-           device_type: str = "cuda") -> TracedBeside | GuardedPrior | None:
-    """:func:`~autobatch.estimating.prior.try_trace_prior`, its traces started on a thread now.
+           device_type: str = "cuda") -> ForkedBeside | TracedBeside | GuardedPrior | None:
+    """:func:`~autobatch.estimating.prior.try_trace_prior`, its traces started now in a forked
+    process (:class:`~autobatch.estimating.forked.ForkedBeside`), or on a thread where a process
+    cannot fork (:data:`~autobatch.estimating.forked.FORKS`) or the model is already on a GPU
+    (its fake copy has the GPU's device, whose kernels a forked child may not ask about).
 
     The fake copy of the model is made here, before the probe lends the model to the device; a
     model that cannot be copied gives the failed prior as it is (it answers NaN at once).
@@ -267,7 +272,8 @@ def beside(workload: Workload, *, min_batch: int | None = None, allocator: str =
     prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
     if prior is None or prior.failure is not None:
         return prior
-    return TracedBeside(prior, warm_batches(prior.first))
+    fork = forked.FORKS and not forked.on_a_gpu(workload.model)
+    return (ForkedBeside if fork else TracedBeside)(prior, warm_batches(prior.first))
 
 
 def between(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",

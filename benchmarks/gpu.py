@@ -74,7 +74,8 @@ PARTS = ("peaks", "pytest", "wall", "finds")
 
 
 def run(out: Path, timeout: int = 150, budget: float = 540, cap: str = "16GiB",
-        peak_cases: list[str] | None = None, parts: tuple[str, ...] = PARTS, thread: bool = False) -> dict[str, Any]:
+        peak_cases: list[str] | None = None, parts: tuple[str, ...] = PARTS, thread: bool = False,
+        wall_cases: list[str] | None = None) -> dict[str, Any]:
     """Everything a GPU machine is for, most wanted first, within ``budget`` seconds in all: the
     peaks at fixed batches (``benchmarks.peaks``), ``pytest -m gpu``, the wall-time table on a card
     capped at ``cap`` (``benchmarks.wall``; with ``thread``, once every case is timed, each case
@@ -116,7 +117,7 @@ def run(out: Path, timeout: int = 150, budget: float = 540, cap: str = "16GiB",
         print(record["pytest"], flush=True)
         save()
     if "wall" in parts:
-        _wall(record, cap, deadline, thread, save)
+        _wall(record, cap, deadline, thread, save, wall_cases)
     for line in _finds() if "finds" in parts else ():
         if _left(deadline) < 40:
             record["skipped"].append(line)
@@ -136,10 +137,15 @@ def run(out: Path, timeout: int = 150, budget: float = 540, cap: str = "16GiB",
     return record
 
 
-def _wall(record: dict[str, Any], cap: str, deadline: float, thread: bool, save: Callable[[], None]) -> None:
-    """The wall-time table's runs, into ``record["wall"]``: every case trace-led and alone, then,
-    with ``thread``, each again traced on a thread of the trials' process while time is left."""
+def _wall(record: dict[str, Any], cap: str, deadline: float, thread: bool, save: Callable[[], None],
+          names: list[str] | None = None) -> None:
+    """The wall-time table's runs, into ``record["wall"]``: every case (or those ``names``d, in
+    that order) trace-led and alone, then, with ``thread``, each again traced on a thread of the
+    trials' process while time is left."""
     from benchmarks import wall
+
+    by_name = {case.name: case for case in wall.CASES}
+    cases = [by_name[n] for n in names] if names else wall.CASES
 
     record["wall"] = {"cap": cap, "rows": [], "date": record["card"]["date"]}
 
@@ -151,7 +157,7 @@ def _wall(record: dict[str, Any], cap: str, deadline: float, thread: bool, save:
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             return {"error": str(exc)[-1500:]}
 
-    for case in wall.CASES:
+    for case in cases:
         if _left(deadline) < 60:
             record["skipped"].append(f"wall {case.name}")
             continue
@@ -163,7 +169,7 @@ def _wall(record: dict[str, Any], cap: str, deadline: float, thread: bool, save:
         row = pair[0]
         return -(row["trace"].get("process_seconds", 0) - row["trials"].get("process_seconds", 0))
 
-    for row, case in sorted(zip(record["wall"]["rows"], wall.CASES), key=cost) if thread else ():
+    for row, case in sorted(zip(record["wall"]["rows"], cases), key=cost) if thread else ():
         if _left(deadline) < 60:
             record["skipped"].append(f"wall {case.name} on a thread")
             continue
@@ -255,13 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--cap", default="16GiB", help="GPU memory per process for the wall-time table")
     r.add_argument("--peak-cases", nargs="*", default=None, help="benchmarks.peaks cases (default: all)")
     r.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS), help="what to run (default: all)")
+    r.add_argument("--wall-cases", nargs="*", default=None, help="benchmarks.wall cases, in order (default: all)")
     r.add_argument("--thread", action="store_true",
                    help="the wall table also times each case traced on a thread of the trials' process")
     p = sub.add_parser("report")
     p.add_argument("source", nargs="?", default=str(ROOT / "docs/benchmarks/gpu.json"))
     args = parser.parse_args(argv)
     if args.what == "run":
-        run(Path(args.out), args.timeout, args.budget, args.cap, args.peak_cases, tuple(args.parts), args.thread)
+        run(Path(args.out), args.timeout, args.budget, args.cap, args.peak_cases, tuple(args.parts), args.thread,
+            args.wall_cases)
     else:
         print(report(Path(args.source)))
 

@@ -74,17 +74,17 @@ ALL = CASES + SHARDED  # what a run times by default, and the names --cases take
 
 
 def run_one(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None,
-            beside: str = "fork") -> dict[str, Any]:
+            beside: str = "process") -> dict[str, Any]:
     """One ``answer`` in this process: its batch, trials and seconds (called in the child).
     ``beside="thread"`` traces beside GPU trials on a thread of this process, as before the trace
-    was forked (:mod:`autobatch.estimating.forked`), for the comparison."""
+    had a process of its own (:mod:`autobatch.estimating.spawned`), for the comparison."""
     import torch
 
     import autobatch
-    from autobatch.estimating import forked
+    from autobatch.estimating import spawned
     from autobatch.units import parse_bytes
 
-    forked.FORKS = forked.FORKS and beside == "fork"
+    spawned.SPAWNS = spawned.SPAWNS and beside == "process"
 
     if device == "cuda" and cap:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -105,7 +105,7 @@ def run_one(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | 
 
 
 def child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | None,
-          timeout: float | None = None, beside: str = "fork") -> dict[str, Any]:
+          timeout: float | None = None, beside: str = "process") -> dict[str, Any]:
     """:func:`run_one` in a fresh process, as a user's ``autobatch find`` runs, with its wall time."""
     argv = [sys.executable, "-m", "benchmarks.wall", "--one", case.name, "--device", device, "--dtype", dtype,
             "--trace" if trace else "--no-trace", *(["--cap", cap] if cap else []), "--beside", beside]
@@ -117,13 +117,13 @@ def child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | No
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_seconds": round(wall, 2)}
 
 
-MODES = {"trace": (True, "fork"), "trials": (False, "fork"), "thread": (True, "thread")}  # trace?, beside
+MODES = {"trace": (True, "process"), "trials": (False, "process"), "thread": (True, "thread")}  # trace?, beside
 
 
 def run(cases: list[WallCase], *, device: str, dtype: str, cap: str | None,
         thread: bool = False) -> list[dict[str, Any]]:
     """Each case's searches, each in a fresh process: trace-led and alone (and, with ``thread``,
-    trace-led with the trace on a thread of the trials' process, as it ran before it was forked)."""
+    trace-led with the trace on a thread of the trials' process, as it ran before it had its own)."""
     rows = []
     for case in cases:
         runs = {mode: child(case, device=device, trace=MODES[mode][0], beside=MODES[mode][1], dtype=dtype, cap=cap)
@@ -183,7 +183,7 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
     if timed:
         lines[-1] += (f" Where the trace also ran on a thread of the trials' process ({len(timed)} of {len(rows)}): "
                       f"{sum(r['thread']['process_seconds'] for r in timed):.1f} s that way, "
-                      f"{sum(r['trace']['process_seconds'] for r in timed):.1f} s forked, "
+                      f"{sum(r['trace']['process_seconds'] for r in timed):.1f} s in its own process, "
                       f"{sum(r['trials']['process_seconds'] for r in timed):.1f} s alone.")
     lines.append("")
     return "\n".join(lines)
@@ -199,10 +199,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--out", default=str(ROOT / "docs/benchmarks"))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
-    parser.add_argument("--beside", choices=["fork", "thread"], default="fork", help=argparse.SUPPRESS)
+    parser.add_argument("--beside", choices=["process", "thread"], default="process", help=argparse.SUPPRESS)
     parser.add_argument("--thread", action="store_true",
                         help="also time each case traced on a thread of the trials' process (a GPU's trace "
-                             "runs forked), for the comparison")
+                             "has a process of its own), for the comparison")
     args = parser.parse_args(argv)
     if args.device is None:
         import torch

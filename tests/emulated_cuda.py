@@ -13,11 +13,6 @@ per emulated GPU, and enters two modes for the block:
 The first matrix product on a GPU books a cuBLAS workspace there that only
 ``torch._C._cuda_clearCublasWorkspaces()`` gives back, as on a real GPU.
 
-A process forked inside the block (``os.fork``, multiprocessing's fork) is refused the GPU as torch
-refuses a child of a process that used CUDA: every call that would initialize CUDA there, and every
-tensor sent to a GPU, raises torch's ``Cannot re-initialize CUDA in forked subprocess`` (:data:`BAD_FORK`);
-whether CUDA is there and how many GPUs may still be asked.
-
 Tensors stay CPU tensors (``tensor.device`` says ``cpu``): the steps are real, only the device is
 emulated. ``torch.autocast(device_type="cuda")`` runs as CPU autocast. DDP sees CPU parameters
 and runs on gloo; while it is built, what it allocates is booked to the module's GPU (its
@@ -46,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from autobatch.probing.backends.caching_allocator import CachingAllocator
 
-__all__ = ["EmulatedGpu", "EmulatedCuda", "emulated_cuda", "emulated", "visible_gpus", "BAD_FORK"]
+__all__ = ["EmulatedGpu", "EmulatedCuda", "emulated_cuda", "emulated", "visible_gpus"]
 
 GIB = 1 << 30
 _CUDA_FUNCTIONS = (
@@ -97,12 +92,6 @@ class EmulatedCuda:
         self.nvml_pid = os.getpid() if nvml_pid is None else nvml_pid  # containers: NVML sees host PIDs
         self.where: dict[int, tuple[int, Any]] = {}  # id(storage) -> (gpu index, allocator block)
         self.targets: list[int | str | None] = []
-        self.bad_fork = False  # this process was forked from one that used the GPU
-
-    def initialized(self) -> None:
-        """What torch's ``_lazy_init`` does in a process forked from one that used CUDA: refuse."""
-        if self.bad_fork:
-            raise RuntimeError(BAD_FORK)
 
     def gpu(self, device: Any = None) -> EmulatedGpu:
         return self.gpus[self.index(device)]
@@ -187,7 +176,6 @@ class _CudaOnCpu(TorchFunctionMode):
             return self._move(func, list(args), kwargs)
         device = kwargs.get("device")
         if _is_cuda(device):
-            self.emu.initialized()
             kwargs["device"] = "cpu"
             with self.emu.target(self.emu.index(device)):
                 return func(*args, **kwargs)
@@ -207,7 +195,6 @@ class _CudaOnCpu(TorchFunctionMode):
             device = kwargs["device"] = f"cuda:{device}"
         at = self.emu.storage_gpu(src)
         if _is_cuda(device):
-            self.emu.initialized()
             index = self.emu.index(device)
             kwargs["device"] = "cpu"
             if at != index:
@@ -306,33 +293,6 @@ def _bus_id(index: int) -> str:
     return f"00000000:{0x18 + index:02X}:00.0"
 
 
-# torch's own words (torch/cuda/__init__.py, _lazy_init) for a forked child of a process that used CUDA.
-BAD_FORK = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the "
-            "'spawn' start method")
-_ACTIVE: list[EmulatedCuda] = []  # the emulations entered in this process
-
-
-def _forked_child() -> None:
-    for emu in _ACTIVE:
-        emu.bad_fork = True
-
-
-os.register_at_fork(after_in_child=_forked_child)
-# What a forked child may still ask, as in torch: whether CUDA is there and how many GPUs (cached, no init).
-_FORK_SAFE = {"is_available", "device_count", "is_initialized"}
-
-
-def _refusing_in_a_forked_child(emu: EmulatedCuda, name: str, fn: Any) -> Any:
-    if name in _FORK_SAFE:
-        return fn
-
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        emu.initialized()
-        return fn(*args, **kwargs)
-
-    return checked
-
-
 def _functions(emu: EmulatedCuda) -> dict[str, Any]:
     def set_device(device: Any) -> None:
         emu.current = emu.index(device)
@@ -351,7 +311,7 @@ def _functions(emu: EmulatedCuda) -> dict[str, Any]:
 
     return {
         "is_available": lambda: True,
-        "is_initialized": lambda: not emu.bad_fork,
+        "is_initialized": lambda: True,
         "device_count": lambda: len(emu.gpus),
         "current_device": lambda: emu.current,
         "set_device": set_device,
@@ -425,19 +385,16 @@ def emulated(gpus: list[EmulatedGpu] | int = 1, *, nvml_pid: int | None = None,
     patch = pytest.MonkeyPatch() if own else patch
     try:
         for name, fn in _functions(emu).items():
-            patch.setattr(torch.cuda, name, _refusing_in_a_forked_child(emu, name, fn))
+            patch.setattr(torch.cuda, name, fn)
         patch.setattr(torch, "autocast", _CpuAutocast)
         patch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: _clear_cublas_workspaces(emu), raising=False)
         patch.setitem(sys.modules, "pynvml", _fake_nvml(emu))
         _charge_communicators(emu, patch)
         _book_ddp_construction(emu, patch)
         _nccl_on_gloo(patch)
-        _ACTIVE.append(emu)
         with _CudaOnCpu(emu), _Booking(emu):
             yield emu
     finally:
-        if emu in _ACTIVE:
-            _ACTIVE.remove(emu)
         if own:
             patch.undo()
 

@@ -151,33 +151,3 @@ def test_the_backend_suites_failing_batch_cannot_fit_on_a_card_of_any_size(monke
         batch = failing_batch(backend)
         assert batch * 64 * 4 > backend.capacity()
         assert 10**6 * 64 * 4 < backend.capacity()  # what the old fixed batch asked for fits
-
-
-def _in_a_forked_child(conn) -> None:
-    said = {"available": torch.cuda.is_available(), "count": torch.cuda.device_count(),
-            "initialized": torch.cuda.is_initialized()}
-    for name, call in (("current_device", torch.cuda.current_device), ("mem_get_info", torch.cuda.mem_get_info),
-                       ("tensor", lambda: torch.zeros(2, device="cuda")), ("to", lambda: torch.zeros(2).cuda())):
-        try:
-            call()
-            said[name] = "ran"
-        except RuntimeError as exc:
-            said[name] = str(exc)
-    conn.send(said)
-
-
-def test_a_forked_child_is_refused_the_gpu_as_torch_refuses_it():
-    import multiprocessing
-
-    from tests.emulated_cuda import BAD_FORK
-
-    with emulated(1):
-        torch.cuda.current_device()
-        here, there = multiprocessing.Pipe()
-        child = multiprocessing.get_context("fork").Process(target=_in_a_forked_child, args=(there,))
-        child.start()
-        said = here.recv()
-        child.join()
-        assert torch.cuda.mem_get_info()[1] > 0  # the parent keeps its GPU
-    assert said == {"available": True, "count": 1, "initialized": False, "current_device": BAD_FORK,
-                    "mem_get_info": BAD_FORK, "tensor": BAD_FORK, "to": BAD_FORK}

@@ -5,34 +5,41 @@ from __future__ import annotations
 
 import doctest
 import math
-import multiprocessing
 import os
-import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import autobatch
-from autobatch.estimating import background, forked
+from autobatch.estimating import background, spawned
 from autobatch.estimating.background import NOT_READY, TracedBeside, beside
-from autobatch.estimating.forked import DIED, ForkedBeside
-from autobatch.estimating.prior import GuardedPrior, try_trace_prior, warm_batches
+from autobatch.estimating.spawned import DIED, SpawnedBeside
+from autobatch.estimating.prior import GuardedPrior, try_trace_prior
 from autobatch.pipeline import find_plan
 from autobatch.probing.backends import CudaBackend
 from autobatch.probing.probe import prior_report
 from autobatch.probing.search import search_max
 from autobatch.probing.trial import Trial
-from tests.emulated_cuda import BAD_FORK, emulated_cuda  # noqa: F401 - the fixture
+from tests.emulated_cuda import emulated_cuda  # noqa: F401 - the fixture
 from tests.tiny import mlp, mlp_workload
 
 
 def no_trace_thread() -> bool:
-    """No trace left behind: no thread, no forked process."""
-    return not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate()) and not any(
-        p.name == "autobatch-trace" for p in multiprocessing.active_children())
+    """No trace left behind: no thread, no process of its own."""
+    return not any(t.name == "autobatch-trace" and t.is_alive() for t in threading.enumerate()) and not [
+        p for p in Path("/proc").iterdir() if p.name.isdigit() and _child_tracing(p)]
+
+
+def _child_tracing(proc: Path) -> bool:
+    try:
+        parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        return parent == os.getpid() and b"autobatch.estimating.spawned" in (proc / "cmdline").read_bytes()
+    except (OSError, IndexError, ValueError):  # ended while read
+        return False
 
 
 def oracle(b: int) -> Trial:
@@ -135,26 +142,10 @@ def test_a_model_passed_in_is_bit_identical_after_a_probe_traced_beside():
 
 
 def test_find_on_a_gpu_traces_beside_its_trials(emulated_cuda):  # noqa: F811 - the fixture
-    # Traced in a forked child, which the emulated GPU refuses as torch does: the trace touches none.
     finding = find_plan(mlp_workload(), backend=CudaBackend(), max_batch=256, headroom=0)
     record = finding.probe.trace_record
     assert "from_trial" in record and record["failure"] is None
     assert no_trace_thread()
-
-
-def test_a_forked_trace_that_touches_the_gpu_fails_as_torch_fails_it(emulated_cuda):  # noqa: F811 - the fixture
-    torch.cuda.current_device()  # the probe's process uses the GPU
-
-    def on_the_gpu(batch: int) -> float:
-        return float(torch.cuda.current_device() + batch)
-
-    prior = ForkedBeside(GuardedPrior(on_the_gpu, "on the GPU"), [1])
-    start = time.perf_counter()
-    try:
-        assert not prior.finish_within(30) and time.perf_counter() - start < 10  # failed: not waited for
-    finally:
-        prior.stop()
-    assert prior.report()["failure"] == f"RuntimeError: {BAD_FORK}"[:len("RuntimeError: ") + 160]
 
 
 def test_the_examples_run():
@@ -319,116 +310,109 @@ def test_a_trace_between_the_trials_pauses_before_or_after_an_unpaused_section_n
     assert no_trace_thread()
 
 
-# The trace beside the trials in a forked process (autobatch/estimating/forked.py): on a GPU the trials
-# are the interpreter launching kernels, and a trace on a thread held that interpreter.
 
-def test_beside_forks_where_the_platform_can_and_traces_on_a_thread_where_it_cannot(monkeypatch):
-    assert forked.FORKS  # the suite runs on Linux
-    prior = beside(mlp_workload(), device_type="cpu")
-    prior.stop()
-    assert isinstance(prior, ForkedBeside) and no_trace_thread()
-    monkeypatch.setattr(forked, "FORKS", False)
-    prior = beside(mlp_workload(), device_type="cpu")
-    prior.stop()
-    assert isinstance(prior, TracedBeside) and no_trace_thread()
+# The trace beside GPU trials in a process of its own (autobatch/estimating/spawned.py): on a GPU the
+# trials are the interpreter launching kernels, and a trace on a thread held that interpreter.
+
+def built(name: str = "tiny-mlp", **settings) -> autobatch.Workload:
+    """A workload built from its name, as the request path builds it."""
+    from autobatch.answering.rows import workload_of
+
+    return workload_of(autobatch.Request(model=name, **settings))
 
 
-def test_the_forked_trace_runs_in_another_process_and_answers_the_prior_traced_here(tmp_path):
-    seen = tmp_path / "pids"
+def test_a_model_built_from_its_name_is_traced_by_a_process_of_its_own_and_one_passed_in_on_a_thread():
+    prior = beside(built(), device_type="cpu")
+    try:
+        assert isinstance(prior, SpawnedBeside) and prior._process.pid != os.getpid()
+        assert os.getsid(prior._process.pid) != os.getsid(0)  # its own session: Ctrl-C is the probe's
+    finally:
+        prior.stop()
+    assert no_trace_thread()
+    passed_in = beside(mlp_workload(), device_type="cpu")
+    passed_in.stop()
+    assert isinstance(passed_in, TracedBeside) and no_trace_thread()
+    with_function = built(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))  # does not pickle
+    assert spawned.recipe_of(with_function) is None
 
-    def loss_fn(model, batch):
-        x, y = batch
-        if isinstance(x, FakeTensor):
-            with open(seen, "a") as f:
-                f.write(f"{os.getpid()}\n")
-        return torch.nn.functional.cross_entropy(model(x), y)
 
-    work = autobatch.Workload(mlp, lambda b: (torch.randn(b, 64), torch.randint(0, 10, (b,))), loss_fn=loss_fn)
-    here = try_trace_prior(work)
+def test_the_spawned_trace_answers_the_prior_traced_here_at_every_batch():
+    work = built("tiny-gpt2", seq_len=32, dtype="bf16")
+    here = try_trace_prior(work, allocator="caching", device_type="cuda")
     asked = [2, 4, 16, 64, 100, 1000]  # past the traced batches: one more trace checks the laws
     expected = [here(b) for b in asked]
-    seen.unlink()
     state = torch.get_rng_state()
-    prior = ForkedBeside(try_trace_prior(work), warm_batches(here.first))
+    prior = beside(work, allocator="caching", device_type="cuda")
     try:
+        assert isinstance(prior, SpawnedBeside)
         assert [prior(b) for b in asked] == expected
         assert prior.ready() and prior.remaining() == 0.0
     finally:
         prior.stop()
-    assert {int(p) for p in seen.read_text().split()} - {os.getpid()}  # traced there
-    assert str(os.getpid()) not in seen.read_text().split()  # never here
-    assert prior.report()["traced_batches"] == here.traced_batches == [2, 4, 16, 64]
+    said = prior.report()
+    assert said["traced_batches"] == here.traced_batches and said["failure"] is None and said["seconds"] > 0
     assert torch.equal(torch.get_rng_state(), state) and no_trace_thread()
 
 
-def test_a_forked_trace_still_running_when_the_search_ends_is_ended_at_once_even_between_torch_calls():
-    def endless(batch: int) -> float:
-        while True:  # no torch call to stop at: a thread could not be cancelled here, a process can
-            pass
-
-    prior = ForkedBeside(GuardedPrior(endless, "endless"), [1])
+def test_a_spawned_trace_still_running_when_the_search_ends_is_killed_at_once():
+    prior = beside(built("gpt2", seq_len=1024), device_type="cuda")  # seconds to start and to trace
     start = time.perf_counter()
     outcome = search_max(oracle, 1000, prior=prior)
     assert outcome.max_batch == 128 and batches(outcome) == [1, 25, 128, 129]
     assert time.perf_counter() - start < 5 and prior.cancelled and no_trace_thread()
+    assert prior._process.returncode is not None
     record = prior_report(prior)["trace_prior"]
     assert record["led"] is False and record["reason"] == NOT_READY and record["failure"] is None
-    assert record["traced_batches"] == [] and record["seconds"] > 0
 
 
-def test_a_forked_trace_whose_process_dies_fails_the_prior_and_the_search_goes_on_alone():
-    def dies(batch: int) -> float:
-        os._exit(3)
-
-    prior = ForkedBeside(GuardedPrior(dies, "dies"), [1, 4])
-    assert math.isnan(prior(8))  # asked outright: it waits, and hears the child has gone
-    assert not prior.ready()
+def test_a_spawned_trace_whose_process_dies_fails_the_prior_with_its_last_words_and_sees_no_gpu(monkeypatch):
+    monkeypatch.setattr(spawned, "_CHILD", "import os, sys; sys.exit('sees ' + repr(os.environ['CUDA_VISIBLE_DEVICES']))")
+    prior = beside(built(), device_type="cpu")
+    assert math.isnan(prior(8)) and not prior.ready()  # asked outright: it waits, and hears the child has gone
     outcome = search_max(oracle, 1000, prior=prior)
     assert outcome.max_batch == 128
     record = prior_report(prior)["trace_prior"]
-    assert record["failure"] == DIED.format(code=3) and record["led"] is False
+    assert record["failure"] == DIED.format(code=1) + ": sees ''" and record["led"] is False
     assert no_trace_thread()
 
 
-def test_a_forked_trace_that_raises_says_why_as_a_trace_on_a_thread_does():
-    work = autobatch.Workload(mlp, lambda b: (_ for _ in ()).throw(ValueError(f"no batch of {b}")))
+def test_a_spawned_trace_that_cannot_build_its_model_says_why_as_a_trace_on_a_thread_does():
+    work = built()
+    spawned.rebuildable(work.model, "tiny-mlp", {"seq_len": 16})  # tiny-mlp takes no length
     prior = beside(work, device_type="cpu")
-    assert isinstance(prior, ForkedBeside)
     try:
         assert math.isnan(prior(8)) and not prior.ready()
     finally:
         prior.stop()
     record = prior_report(prior)["trace_prior"]
-    assert record["failure"] == "ValueError: no batch of 2" and record["led"] is False
-    outcome = autobatch.probe(mlp_workload(), autobatch.SimulatedBackend("2MiB"), prior=beside(work, device_type="cpu"))
-    assert outcome.max_batch == autobatch.probe(mlp_workload(), autobatch.SimulatedBackend("2MiB")).max_batch
+    assert record["failure"].startswith("AutobatchError: ") and "tiny-mlp" in record["failure"]
 
 
-def test_ctrl_c_reaches_the_probe_not_the_forked_trace():
-    prior = beside(mlp_workload(), device_type="cpu")
-    try:
-        os.kill(prior._process.pid, signal.SIGINT)  # as a terminal sends it to the whole process group
-        assert prior.finish_within(60) and prior(64) > 0
-    finally:
-        prior.stop()
+def test_find_on_a_gpu_traces_a_named_model_in_a_process_of_its_own(emulated_cuda, monkeypatch):  # noqa: F811
+    made = []
+    monkeypatch.setattr(background, "SpawnedBeside", lambda *a, **k: made.append(SpawnedBeside(*a, **k)) or made[-1])
+    report = autobatch.answer(autobatch.Request(model="tiny-gpt2", seq_len=32, max_micro=64, headroom=0))
+    record = report.rows[0].probe.trace_record
+    assert len(made) == 1 and record["failure"] is None and "from_trial" in record
     assert no_trace_thread()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("where", ["cpu", "cuda"])
-def test_on_a_real_gpu_the_trace_beside_leads_forked_from_a_model_on_the_host_and_threaded_from_one_on_the_gpu(where):
-    # CUDA refuses a forked child: a trace that asked it anything would fail there, and say so.
+def test_on_a_real_gpu_the_spawned_trace_answers_after_the_process_has_trained_on_the_card():
+    # A child forked after a backward on the card cannot run one ("CUDA error: initialization error"):
+    # the spawned one starts clean, and sees no GPU.
     from autobatch.pipeline import trace_prior_for
 
-    model = mlp().to(where)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    work = _slow_steps()
-    work = autobatch.Workload(model, work.make_batch, loss_fn=work.loss_fn)
-    backend = CudaBackend()
-    prior = trace_prior_for(work, backend)
-    assert isinstance(prior, ForkedBeside if where == "cpu" else TracedBeside)
-    result = autobatch.probe(work, backend, prior=prior, max_batch=4096, headroom=0)
-    record = result.trace_record
-    assert record["failure"] is None and record["led"] is True, record
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and no_trace_thread()
+    layer = torch.nn.Linear(8, 8).cuda()
+    layer(torch.randn(4, 8, device="cuda")).sum().backward()
+    work = built("tiny-gpt2", seq_len=32, dtype="bf16")
+    here = try_trace_prior(work, allocator="caching", device_type="cuda")
+    prior = trace_prior_for(work, CudaBackend())
+    try:
+        assert isinstance(prior, SpawnedBeside) and prior(64) == here(64)
+    finally:
+        prior.stop()
+    assert prior.report()["failure"] is None and no_trace_thread()
+    report = autobatch.answer(autobatch.Request(model="tiny-gpt2", seq_len=32, dtype="bf16", max_micro=256))
+    assert report.rows[0].probe.trace_record["failure"] is None

@@ -155,8 +155,12 @@ def workload_of(request: Request, load: dict[str, Any] | None = None) -> Any:
     if isinstance(request.model, Workload):
         return replace(request.model, **request.settings())
     if isinstance(request.model, str):
-        return load_model(request.model, **(load or request.load_options(request.one_length))).to_workload(
-            **request.settings())
+        from ..estimating.spawned import rebuildable
+
+        load = load or request.load_options(request.one_length)
+        workload = load_model(request.model, **load).to_workload(**request.settings())
+        rebuildable(workload.model, request.model, load)  # a trace beside GPU trials may build it again
+        return workload
     return Workload(request.model, request.make_batch, loss_fn=request.loss_fn or default_loss, **request.settings())
 
 

@@ -1,8 +1,10 @@
-"""The trace beside the trials: a prior traced on a thread while the device trains.
+"""The trace beside the trials: a prior traced on the CPU while the device trains.
 
 A trace runs on the CPU; a trial runs on the GPU. :func:`beside` starts the traces a prior needs
 (:func:`~autobatch.estimating.prior.try_trace_prior`'s, at the batches its laws are fitted and
-checked at) on a daemon thread at once and returns a :class:`TracedBeside`. The search
+checked at) at once: for a model this process built from its name, in a process of its own
+(:class:`~autobatch.estimating.spawned.SpawnedBeside`), which leaves the trials their interpreter;
+else on a daemon thread (:class:`TracedBeside`), which holds it while it runs. The search
 (:func:`autobatch.probing.search.search_max`) asks ``ready()`` before each trial and lets the
 prior lead from the first trial after it is ready; it never waits for it. When the search ends,
 ``stop()`` cancels a trace still running (at its next torch call) and joins the thread, so nothing
@@ -47,8 +49,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..probing.workload import Workload
-from . import forked
-from .forked import ForkedBeside
+from . import spawned
+from .spawned import SpawnedBeside
 from .prior import WARM_TRACES, GuardedPrior, try_trace_prior, warm_batches
 
 __all__ = ["TracedBeside", "TracedBetween", "beside", "between", "traced_between", "unpaused", "NOT_READY", "NOT_PAID",
@@ -260,20 +262,21 @@ class TracedBetween(TracedBeside):
 
 
 def beside(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",
-           device_type: str = "cuda") -> ForkedBeside | TracedBeside | GuardedPrior | None:
-    """:func:`~autobatch.estimating.prior.try_trace_prior`, its traces started now in a forked
-    process (:class:`~autobatch.estimating.forked.ForkedBeside`), or on a thread where a process
-    cannot fork (:data:`~autobatch.estimating.forked.FORKS`) or the model is already on a GPU
-    (its fake copy has the GPU's device, whose kernels a forked child may not ask about).
+           device_type: str = "cuda") -> SpawnedBeside | TracedBeside | GuardedPrior | None:
+    """:func:`~autobatch.estimating.prior.try_trace_prior`, its traces started now: by a process of
+    their own for a model this process built from its name
+    (:class:`~autobatch.estimating.spawned.SpawnedBeside`), else on a thread.
 
-    The fake copy of the model is made here, before the probe lends the model to the device; a
-    model that cannot be copied gives the failed prior as it is (it answers NaN at once).
+    On a thread the fake copy of the model is made here, before the probe lends the model to the
+    device; a model that cannot be copied gives the failed prior as it is (it answers NaN at once).
     """
+    recipe = spawned.recipe_of(workload) if spawned.SPAWNS else None
+    if recipe is not None:
+        return SpawnedBeside(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type)
     prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
     if prior is None or prior.failure is not None:
         return prior
-    fork = forked.FORKS and not forked.on_a_gpu(workload.model)
-    return (ForkedBeside if fork else TracedBeside)(prior, warm_batches(prior.first))
+    return TracedBeside(prior, warm_batches(prior.first))
 
 
 def between(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",

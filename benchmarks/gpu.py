@@ -247,7 +247,10 @@ def wall_table(record: dict[str, Any]) -> str:
     rows = [r for r in record["wall"]["rows"] if "error" not in r["trace"] and "error" not in r["trials"]]
     cap = record["wall"]["cap"]
     thread = ["--thread"] if any("thread" in r for r in rows) else []
-    return wall.markdown(rows, device="cuda", dtype="bf16", cap=cap, argv=["--device", "cuda", "--cap", cap, *thread],
+    names = [r["case"] for r in record["wall"]["rows"]]
+    cases = ["--cases", *names] if names != [c.name for c in wall.CASES] else []
+    return wall.markdown(rows, device="cuda", dtype="bf16", cap=cap,
+                         argv=["--device", "cuda", "--cap", cap, *cases, *thread],
                          date=record["wall"].get("date", record["card"]["date"]))
 
 

@@ -32,7 +32,7 @@ def test_the_gpu_report_puts_every_find_beside_its_estimates(tmp_path):
 def test_the_committed_wall_table_on_the_card_is_the_records_own():
     record = json.loads(RECORD.read_text())
     assert (ROOT / "docs/benchmarks/wall_cuda.md").read_text() == gpu.wall_table(record)
-    assert len(record["wall"]["rows"]) == len(wall.CASES)
+    assert {r["case"] for r in record["wall"]["rows"]} <= {c.name for c in wall.CASES}
     written = [line for line in gpu.wall_table(record).splitlines() if line.startswith("|")]
     assert "\n".join(written) in (ROOT / "docs/search.md").read_text()
 

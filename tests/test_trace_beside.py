@@ -336,6 +336,24 @@ def test_a_model_built_from_its_name_is_traced_by_a_process_of_its_own_and_one_p
     assert spawned.recipe_of(with_function) is None
 
 
+def test_the_spawned_trace_imports_a_users_module_as_this_process_does(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # tests.tiny is found through this process's sys.path only
+    work = built("tests.tiny:mlp", input_shape="64")
+    prior = beside(work, device_type="cpu")
+    try:
+        assert isinstance(prior, SpawnedBeside) and prior(64) == try_trace_prior(work, device_type="cpu")(64)
+    finally:
+        prior.stop()
+    assert prior.report()["failure"] is None
+
+
+def test_where_no_interpreter_can_be_started_the_named_model_is_traced_on_a_thread(monkeypatch, tmp_path):
+    monkeypatch.setattr(spawned.sys, "executable", str(tmp_path / "no-python"))
+    prior = beside(built(), device_type="cpu")
+    prior.stop()
+    assert isinstance(prior, TracedBeside) and no_trace_thread()
+
+
 def test_the_spawned_trace_answers_the_prior_traced_here_at_every_batch():
     work = built("tiny-gpt2", seq_len=32, dtype="bf16")
     here = try_trace_prior(work, allocator="caching", device_type="cuda")

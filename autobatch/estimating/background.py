@@ -272,7 +272,10 @@ def beside(workload: Workload, *, min_batch: int | None = None, allocator: str =
     """
     recipe = spawned.recipe_of(workload) if spawned.SPAWNS else None
     if recipe is not None:
-        return SpawnedBeside(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type)
+        try:
+            return SpawnedBeside(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type)
+        except OSError:  # no interpreter to start (an embedded one): traced on a thread instead
+            pass
     prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
     if prior is None or prior.failure is not None:
         return prior

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -52,7 +53,9 @@ SPAWNS = os.name == "posix"  # a pipe's end handed to the child by its descripto
 DIED = "the trace's process ended before it answered (exit code {code})"
 _POLL = 0.5  # seconds between looks at whether the child still lives, while waiting for its answer
 _SETTINGS = ("optimizer", "dtype", "grad_checkpointing", "grads_held", "steps")
-_CHILD = "import time; t = time.perf_counter(); from autobatch.estimating.spawned import child; child(t)"
+# The child imports as this process does: its sys.path, handed over whole (argv[2]).
+_CHILD = ("import json, sys, time; t = time.perf_counter(); sys.path[:] = json.loads(sys.argv[2]); "
+          "from autobatch.estimating.spawned import child; child(t)")
 _BUILT: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
 
 
@@ -134,13 +137,18 @@ class SpawnedBeside:
         self._done = False
         here, there = multiprocessing.Pipe()
         self._log = tempfile.TemporaryFile()
-        root = str(Path(__file__).resolve().parents[2])  # where this autobatch is imported from
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        self._process = subprocess.Popen([sys.executable, "-c", _CHILD, str(there.fileno())], pass_fds=(there.fileno(),),
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
-                                         env=env, start_new_session=True)
-        there.close()
+        path = [str(Path(__file__).resolve().parents[2]), *sys.path]  # this autobatch first, then as here
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(there.fileno()), json.dumps(path)], pass_fds=(there.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, start_new_session=True)
+        except BaseException:
+            here.close()
+            self._log.close()
+            raise
+        finally:
+            there.close()
         self._conn = here
         try:
             here.send((recipe, min_batch, allocator, device_type))

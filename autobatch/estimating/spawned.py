@@ -8,8 +8,8 @@ once the parent has used CUDA, a forked child's backward pass fails ("CUDA error
 error"; autograd refuses a fork after its device threads started), as seen there.
 
 So a model this process built from a request's name (:func:`rebuildable`: a built-in, ``hf:`` or
-``file.py:fn`` model) is traced by a fresh interpreter that builds it again, on fake tensors, from the same name,
-options and settings (:class:`SpawnedBeside`): it sees no GPU (``CUDA_VISIBLE_DEVICES`` empty, so
+``file.py:fn`` model) is traced by a fresh interpreter that builds it again, on fake tensors, from
+the same name, options and settings (:class:`SpawnedBeside`): it sees no GPU (``CUDA_VISIBLE_DEVICES`` empty, so
 it takes no memory on the card being probed), runs torch on one thread, in a session of its own
 (Ctrl-C is the probe's), its output kept apart, and answers the prior over a pipe: the traces of
 :func:`~autobatch.estimating.prior.warm_batches` at once, then any batch the search asks. Its
@@ -25,7 +25,7 @@ Example:
     >>> here = autobatch.trace_prior(work, allocator="exact", device_type="cpu")
     >>> prior(100) == here(100)  # the same prior, traced in the child
     True
-    >>> prior.stop(); prior.report()["traced_batches"]  # the smallest batch with BatchNorm is 2
+    >>> prior.stop(); prior.report()["traced_batches"]  # 2 where the smallest is 1, then powers of four
     [2, 4, 16, 64]
 """
 

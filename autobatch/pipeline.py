@@ -309,9 +309,8 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
     workload's lambdas do not pickle). Returns the agreed result and the per-rank report.
     """
     from .distributed.launch import probe_distributed
-    from .models import load_model
-
     from .estimating.spawned import rebuildable
+    from .models import load_model
 
     workload = load_model(model, **load).to_workload(**settings)
     rebuildable(workload.model, model, load)  # its trace beside the trials may build it again

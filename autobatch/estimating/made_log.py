@@ -116,8 +116,8 @@ def whole_steps(log: Log, marks: list[int], sizes: list[int], grads: list[int | 
         return None  # a forward that frees what came before it, or keeps more than the gradients
     fresh = iter(range(max(token for token, _ in log) + 1, 1 << 62))
 
-    def renamed(part: Log, own: set[int], also: dict[int, int] | None = None) -> tuple[Log, dict[int, int]]:
-        names = dict(also or {})
+    def renamed(part: Log, own: set[int]) -> tuple[Log, dict[int, int]]:
+        names: dict[int, int] = {}
         out = []
         for token, size in part:
             if size is not None and token in own:

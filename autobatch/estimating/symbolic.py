@@ -36,6 +36,7 @@ __all__ = ["BatchCurve", "SymbolicTracker", "trace_curve", "NotWhole"]
 _HINT = 8  # the value torch assumes for the batch symbol where it must pick a branch (recorded as a guard)
 _PRUNE_AT = 4096  # candidate peaks kept before the dominated ones are dropped
 
+
 def _value(coefficients: Coefficients, batch: int) -> int:
     return sum(c * batch ** k for k, c in enumerate(coefficients))
 

@@ -51,12 +51,11 @@ from torch.overrides import TorchFunctionMode
 from ..probing.workload import Workload
 from . import spawned
 from .spawned import SpawnedBeside
-from .prior import WARM_TRACES, GuardedPrior, try_trace_prior, warm_batches
+from .prior import NOT_READY, GuardedPrior, beside_report, left_at_pace, try_trace_prior, warm_batches
 
 __all__ = ["TracedBeside", "TracedBetween", "beside", "between", "traced_between", "unpaused", "NOT_READY", "NOT_PAID",
            "NOT_WORTH"]
 
-NOT_READY = "the trials ended the search before the trace beside them was ready"
 # A trace run between the trials for no longer than they took, and not done when they were.
 NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, before the trace, "
             "run between them for as long, was done")
@@ -154,8 +153,7 @@ class TracedBeside:
         in), or ``None`` before one batch is traced."""
         if self._done.is_set():
             return 0.0
-        traced = len(self._prior.traced_batches)
-        return self._spent() / traced * max(0, WARM_TRACES - traced) if traced else None
+        return left_at_pace(self._spent(), len(self._prior.traced_batches))
 
     def finish_within(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the trace to end (the search does where the trial it would
@@ -172,9 +170,7 @@ class TracedBeside:
         """The prior's report and ``from_trial``; a trace that never led says why (a failed one is
         said by :func:`~autobatch.probing.result.trace_record`, as for any prior)."""
         said = self._prior.report() or {"traced_batches": [], "seconds": round(self._prior.seconds, 3), "failure": None}
-        if said["failure"] is None and self.from_trial is None and not self.asked:
-            return {"led": False, "reason": NOT_READY, "from_trial": None, **said}
-        return {"from_trial": self.from_trial, **said}
+        return beside_report(said, self.from_trial, self.asked)
 
 
 class TracedBetween(TracedBeside):

@@ -37,11 +37,12 @@ from .fake_backends import _mode_of, _new_fake_mode
 from .replay import AllocationLog, SizeLaws, check_allocator, fit_log
 
 __all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "GuardedPrior", "phase_peaks",
-           "WARM_TRACES"]
+           "WARM_TRACES", "NOT_READY", "left_at_pace", "beside_report"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
 _FIT = 4    # traces the size laws are fitted through (three) and checked against (one, once the search goes past them)
 WARM_TRACES = _FIT  # the traces a prior makes before it leads (warm_batches asks for them)
+NOT_READY = "the trials ended the search before the trace beside them was ready"
 log = logging.getLogger("autobatch.estimating.prior")
 
 
@@ -275,3 +276,17 @@ class GuardedPrior:
             return None
         return {"traced_batches": traced, "seconds": round(self.seconds, 3), "failure": self.failure}
 
+
+def left_at_pace(spent: float, traced: int) -> float | None:
+    """The seconds a trace beside the trials still needs at its pace so far (``spent`` seconds for
+    ``traced`` batches, its first, slowest, counted in), or ``None`` before one batch is traced."""
+    return spent / traced * max(0, WARM_TRACES - traced) if traced else None
+
+
+def beside_report(said: dict[str, Any], from_trial: int | None, asked: bool) -> dict[str, Any]:
+    """A trace beside the trials' report: what it ``said`` of its traces and ``from_trial``; one that
+    neither led nor was asked outright, and did not fail, says the trials ended first (a failed one is
+    said by :func:`~autobatch.probing.result.trace_record`, as for any prior)."""
+    if said["failure"] is None and from_trial is None and not asked:
+        return {"led": False, "reason": NOT_READY, "from_trial": None, **said}
+    return {"from_trial": from_trial, **said}

@@ -45,7 +45,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .prior import WARM_TRACES, GuardedPrior, try_trace_prior, warm_batches
+from .prior import GuardedPrior, beside_report, left_at_pace, try_trace_prior, warm_batches
 
 __all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "recipe_of", "child"]
 
@@ -216,9 +216,7 @@ class SpawnedBeside:
         self._drain()
         if self._done:
             return 0.0
-        traced = len(self._said["traced_batches"])
-        spent = time.perf_counter() - self._started
-        return spent / traced * max(0, WARM_TRACES - traced) if traced else None
+        return left_at_pace(time.perf_counter() - self._started, len(self._said["traced_batches"]))
 
     def finish_within(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the trace to end; whether it can lead now."""
@@ -270,12 +268,8 @@ class SpawnedBeside:
 
     def report(self) -> dict[str, Any]:
         """What the child said of its traces (its seconds from its start); one that never led says why."""
-        from .background import NOT_READY
-
         said = dict(self._said)
         if self.cancelled:  # stopped mid-trace: its seconds are the time it ran
             said["seconds"] = round((self._ended or time.perf_counter()) - self._started, 3)
-        if said["failure"] is None and self.from_trial is None and not self.asked:
-            return {"led": False, "reason": NOT_READY, "from_trial": None, **said}
-        return {"from_trial": self.from_trial, **said}
+        return beside_report(said, self.from_trial, self.asked)
 

@@ -309,11 +309,9 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
     workload's lambdas do not pickle). Returns the agreed result and the per-rank report.
     """
     from .distributed.launch import probe_distributed
-    from .estimating.spawned import rebuildable
-    from .models import load_model
+    from .estimating.spawned import named_workload
 
-    workload = load_model(model, **load).to_workload(**settings)
-    rebuildable(workload.model, model, load)  # its trace beside the trials may build it again
+    workload = named_workload(model, load, settings)  # its trace beside the trials may build it again
     device = "cpu" if memory is not None else "cuda"  # this rank's GPU (resolve_cuda_device)
     backend = make_backend(device, memory)
     options = dict(options)

@@ -149,18 +149,14 @@ def estimate_workload(request: Request) -> Any:
 
 def workload_of(request: Request, load: dict[str, Any] | None = None) -> Any:
     """The request's model as a :class:`~autobatch.Workload` (a named model is built here)."""
-    from ..models import load_model
+    from ..estimating.spawned import named_workload
     from ..probing.workload import Workload, default_loss
 
     if isinstance(request.model, Workload):
         return replace(request.model, **request.settings())
     if isinstance(request.model, str):
-        from ..estimating.spawned import rebuildable
-
-        load = load or request.load_options(request.one_length)
-        workload = load_model(request.model, **load).to_workload(**request.settings())
-        rebuildable(workload.model, request.model, load)  # a trace beside GPU trials may build it again
-        return workload
+        # Built so that a trace beside GPU trials may build it again in a process of its own.
+        return named_workload(request.model, load or request.load_options(request.one_length), request.settings())
     return Workload(request.model, request.make_batch, loss_fn=request.loss_fn or default_loss, **request.settings())
 
 

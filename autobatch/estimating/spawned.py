@@ -7,7 +7,7 @@ took 34.0 s (docs/benchmarks/wall_cuda.md). A child forked from the probe cannot
 once the parent has used CUDA, a forked child's backward pass fails ("CUDA error: initialization
 error"; autograd refuses a fork after its device threads started), as seen there.
 
-So a model this process built from a request's name (:func:`rebuildable`: a built-in, ``hf:`` or
+So a model this process built from a request's name (:func:`named_workload`: a built-in, ``hf:`` or
 ``file.py:fn`` model) is traced by a fresh interpreter that builds it again, on fake tensors, from
 the same name, options and settings (:class:`SpawnedBeside`): it sees no GPU (``CUDA_VISIBLE_DEVICES`` empty, so
 it takes no memory on the card being probed), runs torch on one thread, in a session of its own
@@ -47,7 +47,7 @@ from typing import Any
 
 from .prior import GuardedPrior, beside_report, left_at_pace, try_trace_prior, warm_batches
 
-__all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "recipe_of", "child"]
+__all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "named_workload", "recipe_of", "child"]
 
 SPAWNS = os.name == "posix"  # a pipe's end handed to the child by its descriptor
 DIED = "the trace's process ended before it answered (exit code {code})"
@@ -64,6 +64,16 @@ def rebuildable(model: Any, spec: str, load: dict[str, Any]) -> None:
     untouched since, so a trace may build it again elsewhere (a ``file.py:fn`` is imported there
     again, as each worker of a ``find`` on several GPUs imports it)."""
     _BUILT[model] = (spec, dict(load))
+
+
+def named_workload(spec: str, load: dict[str, Any], settings: dict[str, Any]) -> Any:
+    """``load_model(spec, **load).to_workload(**settings)``, marked :func:`rebuildable`: how a probe
+    builds a request's named model."""
+    from ..models import load_model
+
+    workload = load_model(spec, **load).to_workload(**settings)
+    rebuildable(workload.model, spec, load)
+    return workload
 
 
 def recipe_of(workload: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | None:

@@ -146,7 +146,6 @@ def _wall(record: dict[str, Any], cap: str, deadline: float, thread: bool, save:
 
     by_name = {case.name: case for case in wall.CASES}
     cases = [by_name[n] for n in names] if names else wall.CASES
-
     record["wall"] = {"cap": cap, "rows": [], "date": record["card"]["date"]}
 
     def timed(case: Any, mode: str) -> dict[str, Any]:
@@ -165,11 +164,12 @@ def _wall(record: dict[str, Any], cap: str, deadline: float, thread: bool, save:
         record["wall"]["rows"].append({"case": case.name, "kind": case.kind, **runs})
         print("wall", case.name, {m: r.get("max_batch", r.get("error", "")[:80]) for m, r in runs.items()}, flush=True)
         save()
-    def cost(pair: tuple[dict[str, Any], Any]) -> float:  # what the trace still cost there, most first
-        row = pair[0]
+
+    def cost(row: dict[str, Any]) -> float:  # what the trace still cost there, most first
         return -(row["trace"].get("process_seconds", 0) - row["trials"].get("process_seconds", 0))
 
-    for row, case in sorted(zip(record["wall"]["rows"], cases), key=cost) if thread else ():
+    for row in sorted(record["wall"]["rows"], key=cost) if thread else ():  # the cases timed, not those skipped
+        case = by_name[row["case"]]
         if _left(deadline) < 60:
             record["skipped"].append(f"wall {case.name} on a thread")
             continue

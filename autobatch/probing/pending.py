@@ -4,7 +4,9 @@ The trace beside the trials (:class:`~autobatch.estimating.background.TracedBesi
 runs while they do; the trace between them (:class:`~autobatch.estimating.background.TracedBetween`,
 on the CPU they share) runs only when the search lends it time: before each trial, as long as the
 trials have taken so far, and is given up once what it still needs passes what it could save
-(:data:`SAVES` trials at the next one's cost). Either leads from the first trial after it is ready. The search waits
+(:data:`SAVES` trials at the next one's cost). A trace beside CPU trials in a process of its own
+(:class:`~autobatch.estimating.spawned_between.SpawnedBetween`) runs on the CPU they leave idle, and
+is lent only what it has not had so. Each leads from the first trial after it is ready. The search waits
 for it only where the trial it would run next should take longer than the trace still needs.
 
 Example:
@@ -26,11 +28,13 @@ from typing import Any
 
 from .trial import Trial
 
-__all__ = ["Pending", "stopped", "SAVES"]
+__all__ = ["Pending", "stopped", "SAVES", "STEPS"]
 
 # The trials a trace that leads saves where it pays: trials alone took 1 to 4 more than trace-led ones
 # on the models of docs/benchmarks/wall_cpu.md, 2 in the middle.
 SAVES = 2
+# The fewest training steps a trial runs (a Workload's least and default), each of them grown with the batch.
+STEPS = 2
 
 
 @contextmanager
@@ -53,6 +57,8 @@ class Pending:
         self.prior = prior
         self.seconds = 0.0  # what the trials have taken
         self.walls: dict[int, float] = {}  # seconds of each trial that fit, by batch
+        self.steps: dict[int, float] = {}  # and the seconds of its steady step, where it says
+        self.gave_up = False  # the trace would cost more than it saves: not lent time or waited for again
 
     def timed(self, run: Callable[[int], Trial], batch: int) -> Trial:
         """``run(batch)``, its seconds kept."""
@@ -62,29 +68,65 @@ class Pending:
         self.seconds += wall
         if trial.fits:
             self.walls[batch] = wall
+            if trial.seconds_per_step:
+                self.steps[batch] = trial.seconds_per_step
         return trial
 
     def take(self, trials_run: int) -> Any | None:
-        """The prior, if it is ready now (a trace between the trials first runs for as long as they
-        have taken), with ``from_trial`` set to ``trials_run``; else ``None``."""
-        lend = getattr(self.prior, "lend", None)
-        if callable(lend):
-            lend(self.seconds)
+        """The prior, if it is ready now, with ``from_trial`` set to ``trials_run``; else ``None``."""
         if not self.prior.ready():
             return None
         self.prior.from_trial = trials_run
         return self.prior
 
-    def wait_before(self, batch: int) -> bool:
-        """Let the trace end first where it should sooner than a trial at ``batch`` would (the
-        largest fit's seconds, grown with the batch); whether it can lead now. A trace run between
-        the trials that needs more than :data:`SAVES` such trials is given up (``give_up``)."""
-        left = getattr(self.prior, "remaining", lambda: None)()
-        if left is None or not self.walls:
-            return False
+    def cost(self, batch: int) -> float | None:
+        """What a trial at ``batch`` should take: the largest fit's seconds, its steps grown with the
+        batch and the rest (the wrapper's set-up, the optimizer's state) not; ``None`` before a fit.
+
+        A trial runs at least :data:`STEPS` steps, each as long as its steady one or longer (the first
+        also makes the optimizer's state); a trial whose steps are not timed grows whole.
+
+        Example:
+            >>> from autobatch.probing.trial import Trial
+            >>> pending = Pending(None)
+            >>> _ = pending.timed(lambda b: (time.sleep(0.2), Trial(b, True, 1, 1, seconds_per_step=0.01))[1], 4)
+            >>> 0.2 < pending.cost(16) < 0.3  # set-up, not steps: 16 is not four times 4
+            True
+        """
+        if not self.walls:
+            return None
         fit = max(self.walls)
-        cost = self.walls[fit] * max(1.0, batch / fit)
-        if left > SAVES * cost and callable(getattr(self.prior, "give_up", None)):
-            self.prior.give_up(left, cost)
+        grown = max(1.0, batch / fit)
+        steps = min(self.walls[fit], STEPS * self.steps[fit]) if fit in self.steps else self.walls[fit]
+        return self.walls[fit] - steps + steps * grown
+
+    def wait_before(self, batch: int) -> bool:
+        """Before a trial at ``batch``, lend a trace that runs where it is lent time (``lend``) as long
+        as the trials have taken, then let it end first where it should sooner than that trial
+        (:meth:`cost`); whether it can lead now. A trace that needs more than :data:`SAVES` such
+        trials (``remaining``) is given up (``give_up``), before it is lent more, and never waited for again."""
+        cost = self.cost(batch)
+        if self._given_up(cost):
             return False
-        return left <= cost and self.prior.finish_within(cost)
+        lend = getattr(self.prior, "lend", None)
+        if callable(lend):
+            lend(self.seconds)
+            if self.prior.ready():
+                return True
+        if self._given_up(cost):
+            return False
+        left = getattr(self.prior, "remaining", lambda: None)()
+        return left is not None and cost is not None and left <= cost and self.prior.finish_within(cost)
+
+    def _given_up(self, cost: float | None) -> bool:
+        """Whether the trace was given up, or is now: what it still needs at its pace passes :data:`SAVES`
+        trials at ``cost``. A trace that cannot be given up (beside a GPU's trials) never is."""
+        if self.gave_up:
+            return True
+        give_up = getattr(self.prior, "give_up", None)
+        left = getattr(self.prior, "remaining", lambda: None)()
+        if not callable(give_up) or left is None or cost is None or left <= SAVES * cost:
+            return False
+        give_up(left, cost)
+        self.gave_up = True
+        return True

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .errors import AutobatchError, NoBatchFitsError, option
-from .estimating.background import TracedBeside, beside, between, traced_between, unpaused
+from .estimating.background import TracedBeside, beside, between, spawned_between, traced_between, unpaused
 from .estimating.prior import GuardedPrior, try_trace_prior
 from .planning.plan import Plan
 from .planning.solver import solve
@@ -155,7 +155,9 @@ def find_plan(
     trace of the same step (:func:`~autobatch.estimating.prior.try_trace_prior`), calibrated
     against the real trials: fewer trials, the same exact answer (it rests on trials that fit
     and fail). A sharded probe's trace is the step wrapped as ``strategy`` wraps it
-    (:func:`sharded_trace_prior`), run between the trials, never for longer than they have taken
+    (:func:`sharded_trace_prior`): for a model built from its name, traced by a process of its own on
+    the CPU the trials leave idle (:func:`~autobatch.estimating.background.spawned_between`), else
+    run between the trials, never for longer than they have taken
     (:func:`~autobatch.estimating.background.traced_between`). A model the trace cannot follow is
     searched from its trials alone; ``False`` skips the trace (CLI: ``--no-trace-prior``).
     """
@@ -181,11 +183,14 @@ def find_plan(
                     if seen is not None:
                         seen(trial)
         elif use_trace_prior:
-            # Traced between the trials, never for longer than they have taken: a sharded step's trace
-            # (a wrapped fake copy) costs seconds a batch, more than a small model's trials save.
-            prior = traced_between(lambda: sharded_trace_prior(
-                workload, chosen, min_batch=min_micro, allocator=booked_as(backend), deepspeed_config=deepspeed_config,
-                device_type=backend.device.type))
+            # A sharded step's trace (a wrapped fake copy) costs seconds a batch, more than a small model's
+            # trials save: a model built from its name is traced by a process of its own, on the CPU the
+            # trials leave idle; one passed in between the trials, never for longer than they have taken.
+            prior = spawned_between(workload, min_batch=min_micro, allocator=booked_as(backend),
+                                    device_type=backend.device.type, sharded=(chosen, world, deepspeed_config)) \
+                or traced_between(lambda: sharded_trace_prior(
+                    workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
+                    deepspeed_config=deepspeed_config, device_type=backend.device.type))
         else:
             prior = NoTrace(TURNED_OFF)
         result = probe_sharded(workload, backend, chosen, world, max_batch=max_batch, min_batch=min_micro,
@@ -308,14 +313,18 @@ def probe_worker(model: str, load: dict[str, Any], settings: dict[str, Any], opt
     Module level and built from plain arguments, because workers receive it pickled (a
     workload's lambdas do not pickle). Returns the agreed result and the per-rank report.
     """
-    from .distributed.launch import probe_distributed
-    from .estimating.spawned import named_workload
+    from contextlib import nullcontext
 
-    workload = named_workload(model, load, settings)  # its trace beside the trials may build it again
-    device = "cpu" if memory is not None else "cuda"  # this rank's GPU (resolve_cuda_device)
-    backend = make_backend(device, memory)
+    from .distributed.launch import probe_distributed
+    from .estimating.spawned import named_workload, warmed
+
     options = dict(options)
-    prior = launched_prior(workload, backend, options.pop("use_trace_prior", True), options.get("strategy"),
-                           options.get("min_batch"))
-    result = probe_distributed(workload, backend, prior=prior, **options)
+    traced = options.pop("use_trace_prior", True)
+    # its trace beside the trials builds it again in a process of its own, started as it is built here
+    with warmed() if traced and options.get("strategy") is None else nullcontext():
+        workload = named_workload(model, load, settings)
+        device = "cpu" if memory is not None else "cuda"  # this rank's GPU (resolve_cuda_device)
+        backend = make_backend(device, memory)
+        prior = launched_prior(workload, backend, traced, options.get("strategy"), options.get("min_batch"))
+        result = probe_distributed(workload, backend, prior=prior, **options)
     return result.to_probe_result(), str(result)

@@ -325,7 +325,7 @@ def test_a_model_built_from_its_name_is_traced_by_a_process_of_its_own_and_one_p
     prior = beside(built(), device_type="cpu")
     try:
         assert isinstance(prior, SpawnedBeside) and prior._process.pid != os.getpid()
-        assert os.getsid(prior._process.pid) != os.getsid(0)  # its own session: Ctrl-C is the probe's
+        assert os.getpgid(prior._process.pid) != os.getpgid(0)  # its own process group: Ctrl-C is the probe's
     finally:
         prior.stop()
     assert no_trace_thread()

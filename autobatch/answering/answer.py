@@ -8,6 +8,7 @@ the configs are written. ``find`` is its short form for a model in hand.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from ..configs import write_plan_configs
 from ..distributed.zero import BUCKET_KEYS
+from ..estimating.spawned import warmed
 from ..errors import AutobatchError, RequestError
 from ..modelinfo import per_gpu_statistics
 from ..pipeline import Finding, find_plan, local_gpu_count, plan_from_probe, probe_worker
@@ -259,15 +261,20 @@ def _probe(request: Request, note: Note, on_trial: Callable[[Any], None] | None)
                                                       headroom=request.headroom))
         plan = table.plan(gpus_per_node=request.gpus_here(), **request.planning())
         return Report(request, plan, lengths=table, device=backend.info())
-    workload = workload_of(request)
-    if strategies is not None:
-        rows = strategy_rows(request, lambda _: (workload, backend), on_trial=on_trial,
-                             use_trace_prior=request.trace_prior)
-        plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
-        return Report(request, plan, rows=tuple(rows), device=backend.info())
-    finding = find_plan(workload, gpus_per_node=request.gpus_per_node, backend=backend, max_batch=request.max_micro,
-                        min_micro=request.min_micro, headroom=request.headroom, on_trial=on_trial,
-                        use_cache=request.cache, use_trace_prior=request.trace_prior, **request.planning())
+    # A named model's trace process (beside GPU trials, or sharded ones) starts as the model is built
+    # here, and builds its own copy meanwhile.
+    traced_apart = strategies is not None or backend.device.type == "cuda"
+    with warmed() if request.trace_prior and traced_apart else nullcontext():
+        workload = workload_of(request)
+        if strategies is not None:
+            rows = strategy_rows(request, lambda _: (workload, backend), on_trial=on_trial,
+                                 use_trace_prior=request.trace_prior)
+            plan = rows[0].plan if len(rows) == 1 and isinstance(rows[0], Finding) else None
+            return Report(request, plan, rows=tuple(rows), device=backend.info())
+        finding = find_plan(workload, gpus_per_node=request.gpus_per_node, backend=backend,
+                            max_batch=request.max_micro, min_micro=request.min_micro, headroom=request.headroom,
+                            on_trial=on_trial, use_cache=request.cache, use_trace_prior=request.trace_prior,
+                            **request.planning())
     return Report(request, finding.plan, rows=(finding,), device=finding.probe.device)
 
 

@@ -183,7 +183,8 @@ NoCache = Annotated[bool, typer.Option("--no-cache", help="Probe again even when
 NoTracePrior = Annotated[bool, typer.Option(
     "--no-trace-prior",
     help="By default a fake-tensor trace of the training step leads the search once it is ready (fewer trials, "
-         "the same exact max batch; on the CPU it runs between the trials, never longer than they took). "
+         "the same exact max batch; on the CPU it runs between the trials, or, for a sharded probe, beside them "
+         "at the lowest priority, and is waited for only where it should save more than it costs). "
          "This searches with real trials alone; the safe batch, predicted between trials, may "
          "differ by a few. A cached answer is shown as it is: add --no-cache to search again.",
 )]

@@ -14,18 +14,21 @@ before the probe puts back the caller's.
 Fake tensors, their dispatch modes and autocast's state are per thread, so the trace and the
 trials do not see each other's tensors.
 
-Where the trials run on the same CPU as the trace (a simulated budget), the two cannot overlap:
-the trace holds the interpreter while it runs, and a trial waits for it at every torch call (a
-tiny model's step went from 0.011 s to 0.68 s beside it). There :func:`between` runs the trace
-*between* the trials instead, paused at its next torch call while one runs, and never for longer
+Where the trials run on the same CPU as the trace (a simulated budget), the two cannot overlap on
+a thread: the trace holds the interpreter while it runs, and a trial waits for it at every torch
+call (a tiny model's step went from 0.011 s to 0.68 s beside it). There :func:`between` runs the
+trace *between* the trials instead, paused at its next torch call while one runs, and never for longer
 in all than the trials have taken so far (:meth:`TracedBetween.lend`). A trace that costs more
 than the trials it would save (a tiny model's, whose steps take hundredths of a second) is given
 only the trials' own time, and the search ends without it; once it has traced a batch, it is given
 up where what it still needs passes what it could save
 (:data:`~autobatch.probing.pending.SAVES` trials); one that pays (a step of seconds) is
 ready after the first trial or two and leads from then on. A sharded probe's trace
-(:func:`autobatch.pipeline.sharded_trace_prior`) runs between its trials too, each traced batch
-whole once begun (:func:`unpaused`): its wrapped copy holds the wrapper's global state.
+(:func:`autobatch.pipeline.sharded_trace_prior`) costs more (a wrapped fake copy, a second or more a
+batch) against trials that are mostly the wrapper's set-up: for a model built from its name it
+runs in a process of its own, on the CPU the trials leave idle (:func:`spawned_between`); else
+between its trials, each traced batch whole once begun (:func:`unpaused`): its wrapped copy holds
+the wrapper's global state.
 
 Example:
     >>> import torch, autobatch
@@ -51,10 +54,11 @@ from torch.overrides import TorchFunctionMode
 from ..probing.workload import Workload
 from . import spawned
 from .spawned import SpawnedBeside
+from .spawned_between import SpawnedBetween
 from .prior import NOT_READY, GuardedPrior, beside_report, left_at_pace, try_trace_prior, warm_batches
 
-__all__ = ["TracedBeside", "TracedBetween", "beside", "between", "traced_between", "unpaused", "NOT_READY", "NOT_PAID",
-           "NOT_WORTH"]
+__all__ = ["TracedBeside", "TracedBetween", "beside", "between", "spawned_between", "traced_between", "unpaused",
+           "NOT_READY", "NOT_PAID", "NOT_WORTH"]
 
 # A trace run between the trials for no longer than they took, and not done when they were.
 NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, before the trace, "
@@ -269,7 +273,8 @@ def beside(workload: Workload, *, min_batch: int | None = None, allocator: str =
     recipe = spawned.recipe_of(workload) if spawned.SPAWNS else None
     if recipe is not None:
         try:
-            return SpawnedBeside(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type)
+            return SpawnedBeside(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type,
+                                 model=workload.model)
         except OSError:  # no interpreter to start (an embedded one): traced on a thread instead
             pass
     prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
@@ -281,7 +286,8 @@ def beside(workload: Workload, *, min_batch: int | None = None, allocator: str =
 def between(workload: Workload, *, min_batch: int | None = None, allocator: str = "exact",
             device_type: str = "cpu") -> TracedBetween | GuardedPrior | None:
     """:func:`~autobatch.estimating.prior.try_trace_prior`, its traces run between the trials
-    (:class:`TracedBetween`): for trials on the CPU the trace shares.
+    (:class:`TracedBetween`): for trials on the CPU the trace shares. (A sharded step's trace, whose
+    start and batches cost more than such trials, runs in a process of its own: :func:`spawned_between`.)
 
     Example:
         >>> import torch, autobatch
@@ -293,6 +299,24 @@ def between(workload: Workload, *, min_batch: int | None = None, allocator: str 
     """
     return traced_between(lambda: try_trace_prior(workload, min_batch=min_batch, allocator=allocator,
                                                   device_type=device_type))
+
+
+def spawned_between(workload: Workload, *, min_batch: int | None, allocator: str, device_type: str,
+                    sharded: tuple | None = None) -> SpawnedBetween | None:
+    """The trace of a model this process built from its name, by a process of its own at the lowest
+    priority (:class:`~autobatch.estimating.spawned_between.SpawnedBetween`): a sharded probe's
+    (``sharded``: strategy, world, DeepSpeed config; traced on a fake group of that world), whose
+    trials are mostly the wrapper's set-up, a second or so at any batch, and whose trace costs more
+    than that a batch: lent their time, it cost more than it saved (docs/benchmarks/wall_cpu.md).
+    ``None`` for a model passed in, or where no interpreter starts: the caller traces it here."""
+    recipe = spawned.recipe_of(workload) if spawned.SPAWNS else None
+    if recipe is None:
+        return None
+    try:
+        return SpawnedBetween(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type,
+                              sharded=sharded, model=workload.model)
+    except OSError:  # no interpreter to start (an embedded one)
+        return None
 
 
 def traced_between(make: Callable[[], GuardedPrior | None]) -> TracedBetween | GuardedPrior | None:

@@ -9,13 +9,18 @@ error"; autograd refuses a fork after its device threads started), as seen there
 
 So a model this process built from a request's name (:func:`named_workload`: a built-in, ``hf:`` or
 ``file.py:fn`` model) is traced by a fresh interpreter that builds it again, on fake tensors, from
-the same name, options and settings (:class:`SpawnedBeside`): it sees no GPU (``CUDA_VISIBLE_DEVICES`` empty, so
-it takes no memory on the card being probed), runs torch on one thread, in a session of its own
-(Ctrl-C is the probe's), its output kept apart, and answers the prior over a pipe: the traces of
-:func:`~autobatch.estimating.prior.warm_batches` at once, then any batch the search asks. Its
-startup (an interpreter, torch) runs beside the trials too. :meth:`SpawnedBeside.stop` kills it
-where it stands. A model passed in from Python (its code, hooks and closures need not exist in
-another process) is traced on a thread (:class:`~autobatch.estimating.background.TracedBeside`).
+the same name, options and settings (:class:`SpawnedBeside`; what it runs:
+:mod:`~autobatch.estimating.spawned_child`): it sees no GPU (``CUDA_VISIBLE_DEVICES`` empty, so it
+takes no memory on the card being probed), runs torch on one thread at the lowest CPU priority, in
+a process group of its own (Ctrl-C is the probe's), its output kept apart, and answers the prior
+over a pipe: the traces of :func:`~autobatch.estimating.prior.warm_batches` at once, then any batch
+the search asks. Inside :func:`warmed` (``find`` is) it is started before this process builds its
+own copy, and its interpreter, imports and build run meanwhile, on a core the build leaves idle;
+else it starts when the probe asks for the prior. :meth:`SpawnedBeside.stop` kills it where it
+stands. A model passed in from Python (its code, hooks and closures need not exist in another
+process) is traced on a thread (:class:`~autobatch.estimating.background.TracedBeside`). A sharded
+probe's trace runs in such a child too, lent the trials' time beside CPU trials
+(:class:`~autobatch.estimating.spawned_between.SpawnedBetween`).
 
 Example:
     >>> import autobatch
@@ -34,20 +39,22 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .prior import GuardedPrior, beside_report, left_at_pace, try_trace_prior, warm_batches
+from .prior import WARM_TRACES, beside_report
 
-__all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "named_workload", "recipe_of", "child"]
+__all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "named_workload", "recipe_of", "warmed"]
 
 SPAWNS = os.name == "posix"  # a pipe's end handed to the child by its descriptor
 DIED = "the trace's process ended before it answered (exit code {code})"
@@ -55,8 +62,58 @@ _POLL = 0.5  # seconds between looks at whether the child still lives, while wai
 _SETTINGS = ("optimizer", "dtype", "grad_checkpointing", "grads_held", "steps")
 # The child imports as this process does: its sys.path, handed over whole (argv[2]).
 _CHILD = ("import json, sys, time; t = time.perf_counter(); sys.path[:] = json.loads(sys.argv[2]); "
-          "from autobatch.estimating.spawned import child; child(t)")
+          "from autobatch.estimating.spawned_child import child; child(t)")
 _BUILT: weakref.WeakKeyDictionary[Any, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+# A model's trace process started as it was built (warmed), with the settings it was built with.
+_WARM: weakref.WeakKeyDictionary[Any, tuple[dict[str, Any], _Started]] = weakref.WeakKeyDictionary()
+# Its own process group, so Ctrl-C is the probe's, in the probe's session, so it weighs as one of the
+# probe's processes where Linux shares the CPU between sessions (autogroup); a new session before 3.11.
+_OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+_warming = threading.local()  # .on inside warmed(); .started: the processes it started
+
+
+class _Started:
+    """A trace's own process, started and told its model's recipe: it builds the model at once."""
+
+    def __init__(self, recipe: tuple[str, dict[str, Any], dict[str, Any]]):
+        self.started = time.perf_counter()
+        self.taken = False
+        here, there = multiprocessing.Pipe()
+        self.log = tempfile.TemporaryFile()
+        path = [str(Path(__file__).resolve().parents[2]), *sys.path]  # this autobatch first, then as here
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(there.fileno()), json.dumps(path)], pass_fds=(there.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, **_OWN_GROUP)
+        except BaseException:
+            here.close()
+            self.log.close()
+            raise
+        finally:
+            there.close()
+        self.conn = here
+        try:
+            here.send(recipe)
+        except OSError:
+            pass  # it died at once: said when it is asked
+
+    def end(self) -> None:
+        """End a process no probe took (it is building, or waiting to be told how to trace)."""
+        if self.taken:
+            return
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+        self.log.close()
+
+
+def _start(recipe: tuple[str, dict[str, Any], dict[str, Any]]) -> _Started | None:
+    try:
+        pickle.dumps(recipe)
+        return _Started(recipe)
+    except Exception:  # noqa: BLE001 - no process to warm (a setting that does not pickle, no interpreter)
+        return None
 
 
 def rebuildable(model: Any, spec: str, load: dict[str, Any]) -> None:
@@ -68,12 +125,57 @@ def rebuildable(model: Any, spec: str, load: dict[str, Any]) -> None:
 
 def named_workload(spec: str, load: dict[str, Any], settings: dict[str, Any]) -> Any:
     """``load_model(spec, **load).to_workload(**settings)``, marked :func:`rebuildable`: how a probe
-    builds a request's named model."""
+    builds a request's named model. Inside :func:`warmed`, the trace's own process is started first,
+    and builds its copy while this process builds this one."""
     from ..models import load_model
 
-    workload = load_model(spec, **load).to_workload(**settings)
+    started = _start((spec, dict(load), dict(settings))) if getattr(_warming, "on", False) and SPAWNS else None
+    try:
+        workload = load_model(spec, **load).to_workload(**settings)
+    except BaseException:
+        if started is not None:
+            started.end()
+        raise
     rebuildable(workload.model, spec, load)
+    if started is not None:
+        _warming.started.append(started)
+        try:
+            _WARM[workload.model] = (_settings_of(workload), started)
+        except TypeError:  # a model that cannot be weakly referenced: the warm copy goes unused
+            pass
     return workload
+
+
+@contextmanager
+def warmed() -> Iterator[None]:
+    """Start the trace's own process of each model :func:`named_workload` builds in the block as the
+    block builds it (a probe that traces takes it up); whatever no probe took is ended on leaving."""
+    outer = getattr(_warming, "on", False), getattr(_warming, "started", [])
+    _warming.on, _warming.started = True, []
+    try:
+        yield
+    finally:
+        for started in _warming.started:
+            started.end()
+        _warming.on, _warming.started = outer
+
+
+def _warm_for(model: Any, settings: dict[str, Any]) -> _Started | None:
+    """The process started as ``model`` was built, if its settings are still those (else it is ended)."""
+    try:
+        warm = _WARM.pop(model, None) if model is not None else None
+    except TypeError:
+        return None
+    if warm is None:
+        return None
+    if warm[0] != settings or warm[1].process.poll() is not None:
+        warm[1].end()
+        return None
+    return warm[1]
+
+
+def _settings_of(workload: Any) -> dict[str, Any]:
+    return {name: getattr(workload, name) for name in _SETTINGS}
 
 
 def recipe_of(workload: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
@@ -85,46 +187,12 @@ def recipe_of(workload: Any) -> tuple[str, dict[str, Any], dict[str, Any]] | Non
         return None
     if built is None:
         return None
-    recipe = (*built, {name: getattr(workload, name) for name in _SETTINGS})
+    recipe = (*built, _settings_of(workload))
     try:
         pickle.dumps(recipe)
     except Exception:  # noqa: BLE001 - a function in the settings: traced here instead
         return None
     return recipe
-
-
-def _said(prior: GuardedPrior, started: float) -> dict[str, Any]:
-    return {"traced_batches": prior.traced_batches, "seconds": round(time.perf_counter() - started, 3),
-            "failure": prior.failure}
-
-
-def child(started: float) -> None:
-    """The child's whole life: build the workload on fake tensors, trace the warm batches (saying each
-    as it ends), then answer the batches asked until told to stop or the probe is gone."""
-    import torch
-
-    from .estimate import load_fake_model
-
-    conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    (spec, load, settings), min_batch, allocator, device_type = conn.recv()
-    torch.set_num_threads(1)
-    try:
-        workload = load_fake_model(spec, **load).to_workload(**settings)
-        prior = try_trace_prior(workload, min_batch=min_batch, allocator=allocator, device_type=device_type)
-    except Exception as exc:  # noqa: BLE001 - the prior only saves trials: its failure is said, not raised
-        prior = GuardedPrior.failed(spec, exc)
-    try:
-        for batch in warm_batches(prior.first):
-            if prior.failure is not None:
-                break
-            prior(batch)
-            conn.send(("traced", _said(prior, started)))
-        conn.send(("ready", _said(prior, started)))
-        while (batch := conn.recv()) is not None:
-            value = prior(batch)
-            conn.send(("value", value, _said(prior, started)))
-    except (EOFError, OSError):  # the probe is gone
-        return
 
 
 class SpawnedBeside:
@@ -136,32 +204,22 @@ class SpawnedBeside:
     """
 
     def __init__(self, recipe: tuple[str, dict[str, Any], dict[str, Any]], *, min_batch: int | None,
-                 allocator: str, device_type: str = "cuda"):
+                 allocator: str, device_type: str = "cuda", sharded: tuple | None = None, model: Any = None):
         self.name = recipe[0]
         self.from_trial: int | None = None
         self.asked = False
         self.cancelled = False
         self._said: dict[str, Any] = {"traced_batches": [], "seconds": 0.0, "failure": None}
-        self._started = time.perf_counter()
+        self._cpu: dict[str, float] = {}  # the child's CPU seconds when it was built, and at its last traced batch
         self._ended: float | None = None
         self._done = False
-        here, there = multiprocessing.Pipe()
-        self._log = tempfile.TemporaryFile()
-        path = [str(Path(__file__).resolve().parents[2]), *sys.path]  # this autobatch first, then as here
+        warm = _warm_for(model, recipe[2])
+        self.warm = warm is not None  # started as the model was built (warmed)
+        started = warm or _Started(recipe)  # OSError where no interpreter starts
+        started.taken = True
+        self._process, self._conn, self._log, self._started = started.process, started.conn, started.log, started.started
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(there.fileno()), json.dumps(path)], pass_fds=(there.fileno(),),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
-                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, start_new_session=True)
-        except BaseException:
-            here.close()
-            self._log.close()
-            raise
-        finally:
-            there.close()
-        self._conn = here
-        try:
-            here.send((recipe, min_batch, allocator, device_type))
+            self._conn.send((min_batch, allocator, device_type, sharded))
         except OSError:
             self._died()
 
@@ -170,6 +228,10 @@ class SpawnedBeside:
     def _take(self, message: tuple) -> Any:
         kind, *rest = message
         self._said = rest[-1]
+        if kind == "built":  # the child's CPU seconds when it had started and built the model
+            self._cpu["built"] = rest[0]
+        elif kind == "traced":  # and when it had traced one more batch
+            self._cpu["traced"] = rest[0]
         if kind == "ready":
             self._done = True
         return rest[0] if kind == "value" else None
@@ -222,11 +284,16 @@ class SpawnedBeside:
         return self._done and not self.cancelled and self._said["failure"] is None
 
     def remaining(self) -> float | None:
-        """The seconds the trace still needs at its pace so far, or ``None`` before one batch is traced."""
+        """The seconds the trace still needs at its pace so far, in the child's CPU seconds a traced
+        batch (its start, the interpreter, imports and build, not counted: that is done), or ``None``
+        before one batch is traced."""
         self._drain()
         if self._done:
             return 0.0
-        return left_at_pace(time.perf_counter() - self._started, len(self._said["traced_batches"]))
+        traced = len(self._said["traced_batches"])
+        if not traced or "built" not in self._cpu or "traced" not in self._cpu:
+            return None
+        return (self._cpu["traced"] - self._cpu["built"]) / traced * max(0, WARM_TRACES - traced)
 
     def finish_within(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the trace to end; whether it can lead now."""

@@ -124,8 +124,9 @@ class BatchResult:
         cost = f"traced at batches {traced} in {said.get('seconds', 0):.1f} s" if traced else "traced nothing"
         if said["led"]:
             beside = said.get("from_trial")
-            how = "between" if said.get("between") else "beside"
-            when = f" from trial {beside + 1} on (traced {how} the trials: {cost})" if beside is not None else f" ({cost})"
+            how = ("beside the trials at the lowest CPU priority" if "waited" in said
+                   else "between the trials" if said.get("between") else "beside the trials")
+            when = f" from trial {beside + 1} on (traced {how}: {cost})" if beside is not None else f" ({cost})"
             return f"led by the fake-tensor trace{when}; the answer rests on the trials"
         if said.get("failure"):
             return f"the trace stopped ({said['failure']}; {cost}): the trials searched on alone"

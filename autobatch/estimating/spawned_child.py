@@ -1,0 +1,116 @@
+"""What runs in the trace's own process (:mod:`autobatch.estimating.spawned`): build, trace, answer.
+
+The child is told the model's recipe first, and builds it on fake tensors at once, at the lowest
+CPU priority: started as the probe starts building its own copy (:func:`~autobatch.estimating.spawned.warmed`),
+its interpreter, imports and build run on a core the probe leaves idle. It is then told how to
+trace (the allocator, the device type's autocast, a sharded probe's strategy and world), traces
+the warm batches, saying each as it ends, and answers the batches asked until told to stop or the
+probe is gone. Told ``None`` instead, it ends: a copy built for a probe that did not trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import sys
+import time
+from typing import Any
+
+from .prior import GuardedPrior, try_trace_prior, warm_batches
+
+__all__ = ["child", "lowest_priority"]
+
+
+def lowest_priority() -> None:
+    """Run this process at the lowest CPU priority: Linux's idle policy (``SCHED_IDLE``: it runs only
+    where nothing else wants the core, and a probe's thread that wakes takes the core back at once),
+    else nice 19. The child shares the probe's session (its process group is its own, so Ctrl-C is
+    the probe's): where Linux weighs sessions against each other (autogroup), a session of its own
+    would weigh as much as the probe's, whatever its priority inside."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        try:
+            os.nice(19)
+        except OSError:  # a platform that refuses: it runs at the probe's priority
+            pass
+    if os.getsid(0) == os.getpid():  # a session of its own (Python 3.10): its group weighs the least there
+        try:
+            with open("/proc/self/autogroup", "w") as group:
+                group.write("19")
+        except OSError:  # no autogroup here
+            pass
+
+
+def _said(prior: GuardedPrior, started: float) -> dict[str, Any]:
+    return {"traced_batches": prior.traced_batches, "seconds": round(time.perf_counter() - started, 3),
+            "failure": prior.failure}
+
+
+def child(started: float) -> None:
+    """The child's whole life (``started``: when its interpreter began)."""
+    conn = multiprocessing.connection.Connection(int(sys.argv[1]))
+    try:
+        spec, load, settings = conn.recv()
+    except (EOFError, OSError):
+        return
+    lowest_priority()
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        from .estimate import load_fake_model
+
+        built: Any = load_fake_model(spec, **load).to_workload(**settings)
+    except Exception as exc:  # noqa: BLE001 - said when the trace is asked for, as the prior's failure
+        built = exc
+    try:
+        # its start done: the CPU seconds it took, so the probe reckons the traces' pace without them
+        conn.send(("built", time.process_time(), {"traced_batches": [], "seconds": 0.0, "failure": None}))
+        asked = conn.recv()
+        if asked is None:  # the probe did not trace
+            return
+        min_batch, allocator, device_type, sharded = asked
+        with _world_of(sharded):
+            prior = _traced_prior(spec, built, min_batch, allocator, device_type, sharded)
+            for batch in warm_batches(prior.first):
+                if prior.failure is not None:
+                    break
+                prior(batch)
+                conn.send(("traced", time.process_time(), _said(prior, started)))
+            conn.send(("ready", _said(prior, started)))
+            while (batch := conn.recv()) is not None:
+                value = prior(batch)
+                conn.send(("value", value, _said(prior, started)))
+    except (EOFError, OSError):  # the probe is gone
+        return
+
+
+def _world_of(sharded: tuple | None) -> Any:
+    """A sharded probe's fake process group, of its world (``sharded``: strategy, world, DeepSpeed config)."""
+    if sharded is None:
+        return contextlib.nullcontext()
+    from ..distributed.fake_group import fake_process_group
+
+    return fake_process_group(sharded[1])
+
+
+def _traced_prior(spec: str, built: Any, min_batch: int | None, allocator: str, device_type: str,
+                  sharded: tuple | None) -> GuardedPrior:
+    """The prior of ``built`` (the workload, or why it could not be built): its plain step's trace,
+    or the sharded step's as :func:`autobatch.pipeline.sharded_trace_prior` traces it."""
+    if isinstance(built, Exception):
+        return GuardedPrior.failed(spec, built)
+    try:
+        if sharded is None:
+            prior = try_trace_prior(built, min_batch=min_batch, allocator=allocator, device_type=device_type)
+        else:
+            from ..pipeline import sharded_trace_prior
+
+            strategy, _, deepspeed_config = sharded
+            prior = sharded_trace_prior(built, strategy, min_batch=min_batch, allocator=allocator,
+                                        deepspeed_config=deepspeed_config, device_type=device_type)
+    except Exception as exc:  # noqa: BLE001 - the prior only saves trials: its failure is said, not raised
+        return GuardedPrior.failed(spec, exc)
+    return prior if prior is not None else GuardedPrior.failed(spec, RuntimeError("no fake copy of the model"))

@@ -117,17 +117,30 @@ def child(case: WallCase, *, device: str, trace: bool, dtype: str, cap: str | No
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_seconds": round(wall, 2)}
 
 
+REPEAT_UNDER = 60.0  # seconds: a case whose runs take longer is timed once (its differences dwarf the swings)
 MODES = {"trace": (True, "process"), "trials": (False, "process"), "thread": (True, "thread")}  # trace?, beside
 
 
 def run(cases: list[WallCase], *, device: str, dtype: str, cap: str | None,
-        thread: bool = False) -> list[dict[str, Any]]:
+        thread: bool = False, repeat: int = 1) -> list[dict[str, Any]]:
     """Each case's searches, each in a fresh process: trace-led and alone (and, with ``thread``,
-    trace-led with the trace on a thread of the trials' process, as it ran before it had its own)."""
+    trace-led with the trace on a thread of the trials' process, as it ran before it had its own).
+
+    With ``repeat`` above one, each mode of a case whose runs take under :data:`REPEAT_UNDER` seconds
+    runs that many times, the modes taking turns (so a spell of load on the machine falls on both):
+    there this machine's swings, a second or two, are as large as what is measured. The row keeps
+    each mode's run of median wall time, and every run's seconds under ``repeats``."""
     rows = []
+    modes = ("trace", "trials", *(("thread",) if thread else ()))
     for case in cases:
-        runs = {mode: child(case, device=device, trace=MODES[mode][0], beside=MODES[mode][1], dtype=dtype, cap=cap)
-                for mode in ("trace", "trials", *(("thread",) if thread else ()))}
+        tried: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        for round_ in range(repeat):
+            if round_ and max(runs[-1].get("process_seconds", 0) for runs in tried.values()) >= REPEAT_UNDER:
+                break
+            for mode in modes:
+                tried[mode].append(child(case, device=device, trace=MODES[mode][0], beside=MODES[mode][1],
+                                         dtype=dtype, cap=cap))
+        runs = {mode: _median_run(done) for mode, done in tried.items()}
         # On the CPU both must agree (one deterministic budget); on a real GPU they may not, where
         # the fit is not monotone near the edge (kernels and the allocator's blocks change with the
         # batch): the table shows both.
@@ -141,9 +154,21 @@ def run(cases: list[WallCase], *, device: str, dtype: str, cap: str | None,
     return rows
 
 
+def _median_run(done: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median wall time (the lower middle of an even count), with every run's seconds."""
+    timed = sorted((r for r in done if "process_seconds" in r), key=lambda r: r["process_seconds"])
+    if len(done) == 1 or not timed:
+        return done[0]
+    return {**timed[(len(timed) - 1) // 2], "repeats": [r.get("process_seconds") for r in done]}
+
+
 def _answers(traced: dict[str, Any], alone: dict[str, Any]) -> str:
     a, b = traced["max_batch"], alone["max_batch"]
     return str(a) if a == b else f"{a} / {b} alone"
+
+
+def _repeats(rows: list[dict[str, Any]]) -> int:
+    return max((len(row["trace"].get("repeats", [None])) for row in rows), default=1)
 
 
 def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | None, argv: list[str],
@@ -157,7 +182,9 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
         "",
         f"`{COMMAND} {' '.join(argv)}`".replace("  ", " ").replace(" `", "`"),
         "",
-        f"{date or dt.date.today().isoformat()} · {where} · {dtype} · AdamW · headroom 0 · each run a fresh process",
+        f"{date or dt.date.today().isoformat()} · {where} · {dtype} · AdamW · headroom 0 · each run a fresh process"
+        + (f"; where a case's runs take under {REPEAT_UNDER:.0f} s, each figure the median of {repeats} runs, the "
+           "modes taking turns" if (repeats := _repeats(rows)) > 1 else ""),
         "",
         "| model | what | budget | answer | trials: trace-led | trials alone | wall s: trace-led | alone | "
         + ("on a thread | " if threads else "") + "trace s | led |",
@@ -173,7 +200,8 @@ def markdown(rows: list[dict[str, Any]], *, device: str, dtype: str, cap: str | 
             f"| {row['case']} | {row['kind']} | {budget} | {_answers(traced, alone)} | {traced['trials']} "
             f"({traced['oom_trials']} OOM) | {alone['trials']} ({alone['oom_trials']} OOM) | "
             f"{traced['process_seconds']:.1f} | {alone['process_seconds']:.1f} | {on_thread}"
-            f"{record.get('seconds') if record.get('seconds') is not None else '–'} | "
+            f"{record.get('seconds') if record.get('seconds') is not None else '–'}"
+            f"{' (waited ' + str(record['waited']) + ')' if 'waited' in record else ''} | "
             f"{'yes' if record.get('led') else 'no: ' + str(record.get('reason') or record.get('failure'))} |"
         )
     total_t = sum(r["trace"]["process_seconds"] for r in rows)
@@ -200,6 +228,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
     parser.add_argument("--beside", choices=["process", "thread"], default="process", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each mode of a case whose runs take under a minute this many times, taking "
+                             "turns, and show the median (default 1)")
     parser.add_argument("--thread", action="store_true",
                         help="also time each case traced on a thread of the trials' process (a GPU's trace "
                              "has a process of its own), for the comparison")
@@ -215,7 +246,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                  beside=args.beside)))
         return []
     cases = [by_name[n] for n in args.cases] if args.cases else ALL
-    rows = run(cases, device=args.device, dtype=dtype, cap=args.cap, thread=args.thread)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, but got --repeat {args.repeat}")
+    rows = run(cases, device=args.device, dtype=dtype, cap=args.cap, thread=args.thread, repeat=args.repeat)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shown = [a for i, a in enumerate(argv) if not a.startswith("--out") and not (i and argv[i - 1] == "--out")]

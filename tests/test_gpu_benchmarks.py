@@ -91,3 +91,27 @@ def test_the_speed_table_is_written_from_its_record_and_the_guides_quote_it():
     sharding = " ".join((ROOT / "docs/sharding.md").read_text().split())
     assert (f"ZeRO-3 takes {runs['llama-7b']['seconds']:.0f} s, llama-70b (checkpointed) as rank 0 of 64 takes "
             f"{runs['llama-70b']['seconds']:.0f} s") in sharding
+
+
+def test_the_wall_benchmark_repeats_the_quick_cases_taking_turns_and_keeps_each_modes_median(monkeypatch):
+    # This machine's swings (a second or two) are as large as the quick cases' differences: each of
+    # their modes runs three times, taking turns, and the row keeps the median run; a dear case once.
+    seconds = {("tiny-gpt2", True): iter([9.0, 7.0, 8.0]), ("tiny-gpt2", False): iter([8.5, 9.5, 6.5]),
+               ("gpt2", True): iter([85.0]), ("gpt2", False): iter([150.0])}
+    order = []
+
+    def child(case, *, trace, **_):
+        order.append((case.name, trace))
+        taken = next(seconds[case.name, trace])
+        return {"max_batch": 27, "trials": 4, "oom_trials": 1, "trace_prior": {"led": False, "reason": "x"},
+                "process_seconds": taken, "device_name": "cpu"}
+
+    monkeypatch.setattr(wall, "child", child)
+    rows = wall.run(wall.CASES[:2], device="cpu", dtype="fp32", cap=None, repeat=3)
+    assert order == [("tiny-gpt2", True), ("tiny-gpt2", False)] * 3 + [("gpt2", True), ("gpt2", False)]
+    tiny, gpt2 = rows
+    assert tiny["trace"]["process_seconds"] == 8.0 and tiny["trace"]["repeats"] == [9.0, 7.0, 8.0]
+    assert tiny["trials"]["process_seconds"] == 8.5 and "repeats" not in gpt2["trace"]
+    text = wall.markdown(rows, device="cpu", dtype="fp32", cap=None, argv=["--device", "cpu", "--repeat", "3"])
+    assert "each figure the median of 3 runs, the modes taking turns" in text
+    assert "| 8.0 | 8.5 |" in text and "| 85.0 | 150.0 |" in text

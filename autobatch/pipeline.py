@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,8 @@ from .strategy import Strategy, parse_strategy
 from .units import format_bytes
 
 __all__ = ["Finding", "booked_as", "data_parallel_ranks", "trace_prior_for", "find_plan", "plan_from_probe", "plan_summary",
-           "probe_worker", "probed_strategy", "local_gpu_count", "sharded_trace_prior", "launched_prior",
-           "TURNED_OFF"]
+           "probe_worker", "probed_strategy", "local_gpu_count", "sharded_trace_prior", "sharded_prior_in_its_world",
+           "launched_prior", "TURNED_OFF"]
 
 log = logging.getLogger("autobatch.estimating.prior")  # the trace prior's one logger, wherever it is built
 
@@ -186,8 +188,10 @@ def find_plan(
             # A sharded step's trace (a wrapped fake copy) costs seconds a batch, more than a small model's
             # trials save: a model built from its name is traced by a process of its own, on the CPU the
             # trials leave idle; one passed in between the trials, never for longer than they have taken.
+            in_its_world = partial(sharded_prior_in_its_world, strategy=chosen, world=world,
+                                   deepspeed_config=deepspeed_config)
             prior = spawned_between(workload, min_batch=min_micro, allocator=booked_as(backend),
-                                    device_type=backend.device.type, sharded=(chosen, world, deepspeed_config)) \
+                                    device_type=backend.device.type, traced=in_its_world) \
                 or traced_between(lambda: sharded_trace_prior(
                     workload, chosen, min_batch=min_micro, allocator=booked_as(backend),
                     deepspeed_config=deepspeed_config, device_type=backend.device.type))
@@ -248,6 +252,20 @@ def sharded_trace_prior(workload: Workload, strategy: Strategy, *, min_batch: in
                                                  deepspeed_config=deepspeed_config).trial)
 
     return guarded_prior(replayed_prior(trace, first, allocator=allocator, name=workload.name), workload.name)
+
+
+@contextmanager
+def sharded_prior_in_its_world(workload: Workload, *, strategy: Strategy, world: int,
+                               deepspeed_config: dict[str, Any] | None, min_batch: int | None, allocator: str,
+                               device_type: str) -> Iterator[Callable[[int], float] | None]:
+    """:func:`sharded_trace_prior` on a fake process group of ``world`` ranks, open for the block: how
+    the trace's own process (:mod:`autobatch.estimating.spawned_child`) traces a sharded probe's step,
+    as the probe's traces run inside its own fake group."""
+    from .distributed.fake_group import fake_process_group
+
+    with fake_process_group(world):
+        yield sharded_trace_prior(workload, strategy, min_batch=min_batch, allocator=allocator,
+                                  deepspeed_config=deepspeed_config, device_type=device_type)
 
 
 # Why the trials alone searched, as the result records it (extra["trace_prior"]["reason"]).

@@ -24,7 +24,7 @@ _CLOCK = {"seconds", "seconds_per_step", "samples_per_second", "probed_at", "cre
 def steady(value):
     if isinstance(value, dict):
         # A trace lent time between the trials gets as far as the trials' seconds let it, and says so.
-        clock = _CLOCK | ({"reason", "traced_batches"} if value.get("between") else set())
+        clock = _CLOCK | ({"reason", "traced_batches", "waited"} if value.get("between") else set())
         return {k: steady(v) for k, v in value.items() if k not in clock}
     if isinstance(value, list):
         return [steady(v) for v in value]

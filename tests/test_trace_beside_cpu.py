@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from functools import partial
 
 import pytest
 
@@ -15,7 +16,7 @@ import autobatch
 from autobatch.distributed.fake_group import fake_process_group
 from autobatch.estimating import background, spawned, spawned_between
 from autobatch.estimating.spawned_between import NOT_WAITED, SpawnedBetween
-from autobatch.pipeline import sharded_trace_prior
+from autobatch.pipeline import sharded_prior_in_its_world, sharded_trace_prior
 from autobatch.probing import pending as pending_module
 from autobatch.probing.pending import Pending
 from autobatch.probing.probe import prior_report
@@ -49,15 +50,19 @@ def test_on_the_cpu_a_named_model_is_traced_by_a_process_of_its_own_at_the_lowes
     assert no_trace_thread()
     passed_in = mlp_workload()  # a model passed in: traced here, between the trials, on a thread
     assert background.spawned_between(passed_in, min_batch=None, allocator="exact", device_type="cpu",
-                                      sharded=(parse_strategy("fsdp2"), 4, None)) is None
+                                      traced=_in_a_world_of_four("fsdp2")) is None
     unsharded = background.between(built())  # an unsharded one: its trace starts cheap, between the trials
     unsharded.stop()
     assert isinstance(unsharded, background.TracedBetween) and no_trace_thread()
 
 
+def _in_a_world_of_four(strategy: str):
+    return partial(sharded_prior_in_its_world, strategy=parse_strategy(strategy), world=4, deepspeed_config=None)
+
+
 def _sharded(work, strategy: str) -> SpawnedBetween:
     prior = background.spawned_between(work, min_batch=None, allocator="exact", device_type="cpu",
-                                       sharded=(parse_strategy(strategy), 4, None))
+                                       traced=_in_a_world_of_four(strategy))
     assert isinstance(prior, SpawnedBetween)
     return prior
 

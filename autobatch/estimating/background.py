@@ -302,10 +302,10 @@ def between(workload: Workload, *, min_batch: int | None = None, allocator: str 
 
 
 def spawned_between(workload: Workload, *, min_batch: int | None, allocator: str, device_type: str,
-                    sharded: tuple | None = None) -> SpawnedBetween | None:
+                    traced: Callable[..., Any] | None = None) -> SpawnedBetween | None:
     """The trace of a model this process built from its name, by a process of its own at the lowest
     priority (:class:`~autobatch.estimating.spawned_between.SpawnedBetween`): a sharded probe's
-    (``sharded``: strategy, world, DeepSpeed config; traced on a fake group of that world), whose
+    (``traced``: what traces its step there, :func:`autobatch.pipeline.sharded_prior_in_its_world`), whose
     trials are mostly the wrapper's set-up, a second or so at any batch, and whose trace costs more
     than that a batch: lent their time, it cost more than it saved (docs/benchmarks/wall_cpu.md).
     ``None`` for a model passed in, or where no interpreter starts: the caller traces it here."""
@@ -314,7 +314,7 @@ def spawned_between(workload: Workload, *, min_batch: int | None, allocator: str
         return None
     try:
         return SpawnedBetween(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type,
-                              sharded=sharded, model=workload.model)
+                              traced=traced, model=workload.model)
     except OSError:  # no interpreter to start (an embedded one)
         return None
 

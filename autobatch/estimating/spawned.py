@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -201,10 +201,15 @@ class SpawnedBeside:
 
     Called before it is ready it waits for it (the search never does). ``from_trial`` is the
     number of trials run before it took the lead (the search sets it), ``None`` while it has not.
+    ``traced``: a module-level function the child calls on its workload, with ``min_batch``,
+    ``allocator`` and ``device_type``, for a context manager that yields the prior (a sharded step's,
+    :func:`autobatch.pipeline.sharded_prior_in_its_world`); ``None``: the plain step's trace.
+    ``model``: the probe's, whose process started as it was built (:func:`warmed`) is taken up.
     """
 
     def __init__(self, recipe: tuple[str, dict[str, Any], dict[str, Any]], *, min_batch: int | None,
-                 allocator: str, device_type: str = "cuda", sharded: tuple | None = None, model: Any = None):
+                 allocator: str, device_type: str = "cuda", traced: Callable[..., Any] | None = None,
+                 model: Any = None):
         self.name = recipe[0]
         self.from_trial: int | None = None
         self.asked = False
@@ -219,7 +224,7 @@ class SpawnedBeside:
         started.taken = True
         self._process, self._conn, self._log, self._started = started.process, started.conn, started.log, started.started
         try:
-            self._conn.send((min_batch, allocator, device_type, sharded))
+            self._conn.send((min_batch, allocator, device_type, traced))
         except OSError:
             self._died()
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .prior import NOT_READY
@@ -66,8 +67,9 @@ class SpawnedBetween(SpawnedBeside):
     had less: the contract of :class:`~autobatch.estimating.background.TracedBetween`."""
 
     def __init__(self, recipe: tuple[str, dict[str, Any], dict[str, Any]], *, min_batch: int | None,
-                 allocator: str, device_type: str = "cpu", sharded: tuple | None = None, model: Any = None):
-        super().__init__(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type, sharded=sharded,
+                 allocator: str, device_type: str = "cpu", traced: Callable[..., Any] | None = None,
+                 model: Any = None):
+        super().__init__(recipe, min_batch=min_batch, allocator=allocator, device_type=device_type, traced=traced,
                          model=model)
         self.lent = 0.0  # seconds the search has waited for it
         self.trials_seconds = 0.0

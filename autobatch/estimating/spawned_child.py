@@ -3,7 +3,8 @@
 The child is told the model's recipe first, and builds it on fake tensors at once, at the lowest
 CPU priority: started as the probe starts building its own copy (:func:`~autobatch.estimating.spawned.warmed`),
 its interpreter, imports and build run on a core the probe leaves idle. It is then told how to
-trace (the allocator, the device type's autocast, a sharded probe's strategy and world), traces
+trace (the allocator, the device type's autocast, and for a sharded probe the function, named by
+the probe, that traces its step on a fake group of its world), traces
 the warm batches, saying each as it ends, and answers the batches asked until told to stop or the
 probe is gone. Told ``None`` instead, it ends: a copy built for a probe that did not trace.
 """
@@ -15,6 +16,7 @@ import multiprocessing.connection
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .prior import GuardedPrior, try_trace_prior, warm_batches
@@ -71,9 +73,8 @@ def child(started: float) -> None:
         asked = conn.recv()
         if asked is None:  # the probe did not trace
             return
-        min_batch, allocator, device_type, sharded = asked
-        with _world_of(sharded):
-            prior = _traced_prior(spec, built, min_batch, allocator, device_type, sharded)
+        min_batch, allocator, device_type, traced = asked
+        with _prior_of(spec, built, min_batch, allocator, device_type, traced) as prior:
             for batch in warm_batches(prior.first):
                 if prior.failure is not None:
                     break
@@ -87,30 +88,22 @@ def child(started: float) -> None:
         return
 
 
-def _world_of(sharded: tuple | None) -> Any:
-    """A sharded probe's fake process group, of its world (``sharded``: strategy, world, DeepSpeed config)."""
-    if sharded is None:
-        return contextlib.nullcontext()
-    from ..distributed.fake_group import fake_process_group
-
-    return fake_process_group(sharded[1])
-
-
-def _traced_prior(spec: str, built: Any, min_batch: int | None, allocator: str, device_type: str,
-                  sharded: tuple | None) -> GuardedPrior:
-    """The prior of ``built`` (the workload, or why it could not be built): its plain step's trace,
-    or the sharded step's as :func:`autobatch.pipeline.sharded_trace_prior` traces it."""
-    if isinstance(built, Exception):
-        return GuardedPrior.failed(spec, built)
-    try:
-        if sharded is None:
-            prior = try_trace_prior(built, min_batch=min_batch, allocator=allocator, device_type=device_type)
-        else:
-            from ..pipeline import sharded_trace_prior
-
-            strategy, _, deepspeed_config = sharded
-            prior = sharded_trace_prior(built, strategy, min_batch=min_batch, allocator=allocator,
-                                        deepspeed_config=deepspeed_config, device_type=device_type)
-    except Exception as exc:  # noqa: BLE001 - the prior only saves trials: its failure is said, not raised
-        return GuardedPrior.failed(spec, exc)
-    return prior if prior is not None else GuardedPrior.failed(spec, RuntimeError("no fake copy of the model"))
+@contextlib.contextmanager
+def _prior_of(spec: str, built: Any, min_batch: int | None, allocator: str, device_type: str,
+              traced: Callable[..., Any] | None) -> Iterator[GuardedPrior]:
+    """The prior of ``built`` (the workload, or why it could not be built) for the block: its plain
+    step's trace, or what ``traced`` makes of it (a context manager the probe named, such as
+    :func:`autobatch.pipeline.sharded_prior_in_its_world`: the sharded step's, on a fake group of the
+    probe's world, open while the prior answers)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            if isinstance(built, Exception):
+                raise built
+            prior = (try_trace_prior(built, min_batch=min_batch, allocator=allocator, device_type=device_type)
+                     if traced is None else
+                     stack.enter_context(traced(built, min_batch=min_batch, allocator=allocator, device_type=device_type)))
+            if prior is None:
+                raise RuntimeError("no fake copy of the model")
+        except Exception as exc:  # noqa: BLE001 - the prior only saves trials: its failure is said, not raised
+            prior = GuardedPrior.failed(spec, exc)
+        yield prior

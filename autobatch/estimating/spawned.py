@@ -232,10 +232,11 @@ class SpawnedBeside:
 
     def _take(self, message: tuple) -> Any:
         kind, *rest = message
-        self._said = rest[-1]
         if kind == "built":  # the child's CPU seconds when it had started and built the model
             self._cpu["built"] = rest[0]
-        elif kind == "traced":  # and when it had traced one more batch
+            return None
+        self._said = rest[-1]
+        if kind == "traced":  # and when it had traced one more batch
             self._cpu["traced"] = rest[0]
         if kind == "ready":
             self._done = True

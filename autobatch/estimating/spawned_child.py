@@ -6,7 +6,7 @@ its interpreter, imports and build run on a core the probe leaves idle. It is th
 trace (the allocator, the device type's autocast, and for a sharded probe the function, named by
 the probe, that traces its step on a fake group of its world), traces
 the warm batches, saying each as it ends, and answers the batches asked until told to stop or the
-probe is gone. Told ``None`` instead, it ends: a copy built for a probe that did not trace.
+probe is gone. One that no probe takes is killed where it stands (:func:`~autobatch.estimating.spawned.warmed`).
 """
 
 from __future__ import annotations
@@ -69,11 +69,8 @@ def child(started: float) -> None:
         built = exc
     try:
         # its start done: the CPU seconds it took, so the probe reckons the traces' pace without them
-        conn.send(("built", time.process_time(), {"traced_batches": [], "seconds": 0.0, "failure": None}))
-        asked = conn.recv()
-        if asked is None:  # the probe did not trace
-            return
-        min_batch, allocator, device_type, traced = asked
+        conn.send(("built", time.process_time()))
+        min_batch, allocator, device_type, traced = conn.recv()
         with _prior_of(spec, built, min_batch, allocator, device_type, traced) as prior:
             for batch in warm_batches(prior.first):
                 if prior.failure is not None:

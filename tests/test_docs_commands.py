@@ -105,7 +105,7 @@ def test_ci_runs_the_test_command_readme_gives():
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Run the tests"):]
     block = [line for line in _BLOCK.search(section).group(1).splitlines() if line.strip()]
-    assert block[-1] == "python3 -m pytest -q" and block[0].startswith("pip install torch==2.13.0 && pip install -e")
+    assert block[-1] == "python3 -m pytest -q -n auto" and block[0].startswith("pip install torch==2.13.0 && pip install -e")
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert ci[-len(block):] == block
 

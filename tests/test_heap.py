@@ -60,14 +60,22 @@ def test_an_error_in_the_body_still_unfreezes() -> None:
 
 
 def test_a_process_that_froze_its_own_objects_is_left_as_it_was() -> None:
+    # Left as it was: neither unfrozen (the count drops to 0) nor frozen again (it grows by every object made
+    # since). Frozen objects that die leave the count, and under pytest-xdist the worker's I/O thread frees a
+    # few of its own meanwhile, so "as it was" is "no more, and at most a handful fewer".
+    def as_it_was(frozen: int) -> bool:
+        return frozen - 100 < gc.get_freeze_count() <= frozen
+
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        kept = [[] for _ in range(1000)]  # tracked, made after the freeze: frozen again, they would count
         with frozen_heap():
             with frozen_heap():  # nested too: nothing to undo that is not the process's own
                 pass
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert as_it_was(frozen), (gc.get_freeze_count(), frozen)
+        assert as_it_was(frozen), (gc.get_freeze_count(), frozen)
+        del kept
     finally:
         gc.unfreeze()
 

@@ -15,10 +15,10 @@ if _WORKERS > 1:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if _WORKERS > 1 and torch.get_num_threads() > _SHARE:  # torch imported before this file read the variable
-    torch.set_num_threads(_SHARE)
+from autobatch.probing.heap import frozen_heap  # noqa: E402
 
-from autobatch.probing.heap import frozen_heap
+if _WORKERS > 1 and torch.get_num_threads() > _SHARE:  # torch imported before this file set the variable
+    torch.set_num_threads(_SHARE)
 
 
 @pytest.fixture(autouse=True)

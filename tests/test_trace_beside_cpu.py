@@ -37,7 +37,7 @@ def test_on_the_cpu_a_named_model_is_traced_by_a_process_of_its_own_at_the_lowes
     try:
         child = prior._process.pid
         assert isinstance(prior, SpawnedBetween) and child != os.getpid()
-        deadline = time.perf_counter() + 30
+        deadline = time.perf_counter() + 120  # generous: the suite's other worker may hold both cores
         while not _idle(child) and time.perf_counter() < deadline:
             time.sleep(0.05)
         # Linux's idle policy: it runs where nothing else wants the core, and gives it back at once
@@ -99,8 +99,8 @@ def test_a_spawned_trace_given_up_still_leads_once_it_is_ready_on_the_idle_core(
     try:
         prior.give_up(left=9.0, trial=1.0)
         pending = Pending(prior)
-        deadline = time.perf_counter() + 60
-        while pending.take(trials_run=3) is None and time.perf_counter() < deadline:
+        deadline = time.perf_counter() + 180  # generous: at the idle policy it waits while the suite's other
+        while pending.take(trials_run=3) is None and time.perf_counter() < deadline:  # worker holds the cores
             time.sleep(0.1)
         assert prior.ready() and prior.from_trial == 3 and prior.lent == 0.0
     finally:

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from .prior import WARM_TRACES, beside_report
+from .spawned_child import lowest_priority
 
 __all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "named_workload", "recipe_of", "warmed"]
 
@@ -92,6 +93,7 @@ class _Started:
             raise
         finally:
             there.close()
+        lowest_priority(self.process.pid)  # before its interpreter imports anything
         self.conn = here
         try:
             here.send(recipe)

@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 from .prior import WARM_TRACES, beside_report
-from .spawned_child import lowest_priority
 
 __all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "named_workload", "recipe_of", "warmed"]
 
@@ -71,6 +70,33 @@ _WARM: weakref.WeakKeyDictionary[Any, tuple[dict[str, Any], _Started]] = weakref
 # probe's processes where Linux shares the CPU between sessions (autogroup); a new session before 3.11.
 _OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 _warming = threading.local()  # .on inside warmed(); .started: the processes it started
+
+
+def _lowest_priority(pid: int) -> None:
+    """Run the child ``pid`` at the lowest CPU priority: Linux's idle policy (``SCHED_IDLE``: it runs only
+    where nothing else wants the core, and a probe's thread that wakes takes the core back at once), else
+    nice 19. Set here as the child is started, before its interpreter imports torch (about two seconds
+    of CPU that, at the probe's priority, the probe's own build and wrapping had to share). The child
+    shares the probe's session (its process group is its own, so Ctrl-C is the probe's): where Linux
+    weighs sessions against each other (autogroup), a session of its own would weigh as much as the
+    probe's, whatever its priority inside."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux (or the child has ended)
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, 19)
+        except (AttributeError, OSError):  # a platform that refuses: it runs at the probe's priority
+            pass
+    try:
+        own_session = os.getsid(pid) == pid  # Python 3.10 starts it in one: its group weighs the least there
+    except OSError:  # it has ended
+        return
+    if own_session:
+        try:
+            with open(f"/proc/{pid}/autogroup", "w") as group:
+                group.write("19")
+        except OSError:  # no autogroup here
+            pass
 
 
 class _Started:
@@ -93,7 +119,7 @@ class _Started:
             raise
         finally:
             there.close()
-        lowest_priority(self.process.pid)  # before its interpreter imports anything
+        _lowest_priority(self.process.pid)  # before its interpreter imports anything
         self.conn = here
         try:
             here.send(recipe)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.connection
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,35 +20,7 @@ from typing import Any
 
 from .prior import GuardedPrior, try_trace_prior, warm_batches
 
-__all__ = ["child", "lowest_priority"]
-
-
-def lowest_priority(pid: int = 0) -> None:
-    """Run process ``pid`` (0: this one) at the lowest CPU priority: Linux's idle policy (``SCHED_IDLE``:
-    it runs only where nothing else wants the core, and a probe's thread that wakes takes the core back
-    at once), else nice 19. The probe sets it on the child as soon as the child is started, before its
-    interpreter imports torch (about two seconds of CPU that, at the probe's priority, the probe's own
-    build and wrapping had to share). The child shares the probe's session (its process group is its
-    own, so Ctrl-C is the probe's): where Linux weighs sessions against each other (autogroup), a
-    session of its own would weigh as much as the probe's, whatever its priority inside."""
-    try:
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux (or the process has ended)
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, 19)
-        except (AttributeError, OSError):  # a platform that refuses: it runs at the probe's priority
-            pass
-    pid = pid or os.getpid()
-    try:
-        own_session = os.getsid(pid) == pid  # Python 3.10 starts it in one: its group weighs the least there
-    except OSError:  # it has ended
-        return
-    if own_session:
-        try:
-            with open(f"/proc/{pid}/autogroup", "w") as group:
-                group.write("19")
-        except OSError:  # no autogroup here
-            pass
+__all__ = ["child"]
 
 
 def _said(prior: GuardedPrior, started: float) -> dict[str, Any]:
@@ -64,7 +35,7 @@ def child(started: float) -> None:
         spec, load, settings = conn.recv()
     except (EOFError, OSError):
         return
-    import torch  # at the lowest priority already: the probe set it as it started this process
+    import torch  # at the lowest priority already: the probe set it as it started this process (spawned)
 
     torch.set_num_threads(1)
     try:

@@ -61,6 +61,17 @@ class BackendContract:
         assert large.forward_backward_bytes > small.forward_backward_bytes
         assert small.reserved_bytes >= small.peak_bytes
 
+    def test_the_forward_end_holds_the_resident_memory_and_the_activations(self, backend, model):
+        # What the backward will use, read between the forward and the backward: above what stays between
+        # steps, below the step's peak (the backward adds gradients), and growing with the batch.
+        work = mlp_workload(model)
+        small, large = run_trial(work, model, backend, 8), run_trial(work, model, backend, 512)
+        for trial in (small, large):
+            assert trial.resident_bytes < trial.forward_bytes <= trial.peak_bytes
+        assert large.forward_bytes - large.resident_bytes > 32 * (small.forward_bytes - small.resident_bytes)
+        failed = run_trial(on_the_device(work, backend), model, backend, failing_batch(backend))
+        assert not failed.fits and failed.forward_bytes == 0  # a failed trial's figures are not a curve's
+
     def test_running_out_raises_an_oom_error_inside_track(self, backend):
         with pytest.raises(Exception) as info:
             with backend.track():

@@ -42,3 +42,18 @@ def test_a_batch_sliced_from_data_already_in_memory_costs_the_batch_not_the_data
                                     ("slice", lambda b: (x[:b], y[:b])),
                                     ("slice, cloned", lambda b: (x[:b].clone(), y[:b].clone())))}
     assert len(set(evaluated.values())) == 1 and evaluated["slice"] > 300, evaluated  # the forward-only probe alike
+
+
+def test_the_forward_end_is_the_resident_memory_and_the_saved_activations_counted_by_hand():
+    # The MLP 64 → 256 → 256 → 10 in fp32: at the forward's end a sample holds its input (64 values, saved by
+    # the first Linear), both ReLU outputs (256 each, saved by ReLU and the next Linear), the log-softmax
+    # (10, saved by the loss) and its label (one int64): 2,352 bytes; and the loss and nll_loss's total
+    # weight, two fp32 scalars. The first Linear's and the logits' outputs are freed by then.
+    from autobatch.probing.trial import run_trial
+    from tests.tiny import mlp, mlp_workload
+
+    model = mlp()
+    backend, work = SimulatedBackend("64MiB"), mlp_workload(model)
+    for batch in (8, 512, 513):
+        trial = run_trial(work, model, backend, batch)
+        assert trial.forward_bytes - trial.resident_bytes == 2352 * batch + 8, batch

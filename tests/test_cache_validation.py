@@ -56,6 +56,7 @@ def _set(key, value):
     (_set("limited_by", "luck"), "limited_by"),
     (_set("trials", "none"), "malformed"),
     (_set("trials", [{"batch": "x", "fits": True, "peak_bytes": 1, "reserved_bytes": 1}]), "trials"),
+    (_set("trials", [{"batch": 1, "fits": True, "peak_bytes": 1, "reserved_bytes": 1, "forward_bytes": "x"}]), "trials"),
     (_set("device", []), "malformed"),
     (_set("safe_peak_measured", "yes"), "safe peak"),
 ])

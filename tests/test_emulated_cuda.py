@@ -101,6 +101,15 @@ def test_the_optimizer_phase_figure_leaves_out_the_forward_backward_cache(emulat
     # Parameters, gradients and optimizer state: the same at any batch, whatever the cache holds.
     assert large.optimizer_bytes == small.optimizer_bytes
     assert large.reserved_bytes >= large.peak_bytes >= large.optimizer_bytes
+    # The forward's end, read from torch.cuda.memory_allocated between the forward and the backward: the
+    # tensors the MLP saves (tests/test_backend_simulated.py counts them by hand: the input, two ReLU
+    # outputs, the log-softmax, the labels, two scalars), each rounded up to the allocator's 512 bytes.
+    def saved(b: int) -> int:
+        return sum(-(-n // 512) * 512 for n in (256 * b, 1024 * b, 1024 * b, 40 * b, 8 * b, 4, 4))
+
+    for trial in (small, large):
+        assert trial.resident_bytes < trial.forward_bytes <= trial.peak_bytes
+        assert trial.forward_bytes - trial.resident_bytes == saved(trial.batch)
 
 
 def _no_launcher(monkeypatch):

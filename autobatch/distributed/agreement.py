@@ -33,7 +33,7 @@ __all__ = ["Comm", "comm_device", "collective", "agree_on_errors", "share_trial"
 _BUCKET_BYTES = 25 << 20  # DistributedDataParallel's default bucket_cap_mb
 
 # The figures each rank shares after a trial, in this order (float64: exact for bytes below 8 PiB).
-_FIELDS = ("fits", "peak", "reserved", "forward_backward", "optimizer", "resident", "seconds", "retries")
+_FIELDS = ("fits", "peak", "reserved", "forward_backward", "optimizer", "resident", "seconds", "retries", "forward")
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ def share_trial(comm: Comm, trial: Trial | None) -> list[Trial | None]:
         fits = 1.0 if trial.fits else 2.0 if is_stopped_by_peer(trial.error) else 0.0
         row = [fits, trial.peak_bytes, trial.reserved_bytes, trial.forward_backward_bytes,
                trial.optimizer_bytes, -1.0 if trial.resident_bytes is None else trial.resident_bytes,
-               -1.0 if trial.seconds_per_step is None else trial.seconds_per_step, trial.alloc_retries]
+               -1.0 if trial.seconds_per_step is None else trial.seconds_per_step, trial.alloc_retries,
+               trial.forward_bytes]
     mine = torch.tensor(row, dtype=torch.float64, device=comm.device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     return collective(comm, "sharing a trial", lambda: dist.all_gather(rows, mine, async_op=True),
@@ -130,12 +131,13 @@ def share_trial(comm: Comm, trial: Trial | None) -> list[Trial | None]:
 def _row_to_trial(batch: int, row: list[float]) -> Trial | None:
     if row[0] < 0:
         return None
-    fits, peak, reserved, fb, opt, resident, seconds, retries = row
+    fits, peak, reserved, fb, opt, resident, seconds, retries, forward = row
     return Trial(
         batch=batch, fits=fits == 1, peak_bytes=int(peak), reserved_bytes=int(reserved),
         forward_backward_bytes=int(fb), optimizer_bytes=int(opt),
         resident_bytes=None if resident < 0 else int(resident), seconds_per_step=None if seconds < 0 else seconds,
         error=None if fits == 1 else STOPPED_BY_PEER if fits == 2 else "out of memory", alloc_retries=int(retries),
+        forward_bytes=int(forward),
     )
 
 
@@ -154,6 +156,7 @@ def agreed_trial(batch: int, trials: list[Trial]) -> Trial:
         seconds_per_step=max(t.seconds_per_step or 0.0 for t in trials) if fits else None,
         error=None if fits else "out of memory on rank " + ", ".join(map(str, failed)),
         alloc_retries=max(t.alloc_retries for t in trials),
+        forward_bytes=max(t.forward_bytes for t in trials) if fits else 0,
     )
 
 

@@ -151,7 +151,7 @@ def _copy_model(template: torch.nn.Module, grad_checkpointing: bool, device: tor
     return model
 
 
-def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.device) -> None:
+def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.device, peaks: PhasePeaks) -> None:
     batch = batch_on(workload, batch_size, device)
     dtype = resolve_dtype(workload.dtype)
     engine = engine_dtype(wrapped.config)
@@ -162,6 +162,7 @@ def _step(workload: Workload, wrapped: Wrapped, batch_size: int, device: torch.d
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with autocast:
         loss = step_loss(workload.loss_fn, wrapped.module, batch)
+    peaks.forward_end()
     wrapped.backward(loss)
 
 
@@ -212,7 +213,7 @@ def assemble(batch_size: int, peaks: PhasePeaks, capacity: int, figures: dict[st
         forward_backward_bytes=peaks.phase["forward_backward"], optimizer_bytes=peaks.phase["optimizer"],
         resident_bytes=resident_bytes if fits else None,
         seconds_per_step=(sorted(times[1:])[len(times[1:]) // 2] if fits and len(times) > 1 else None),
-        error=error,
+        error=error, forward_bytes=peaks.forward if fits else 0,
     )
     breakdown = None
     if len(figures) == 4:
@@ -286,7 +287,7 @@ def train_steps(workload: Workload, wrapped: Wrapped, backend: MemoryBackend, ba
         at[0] = "forward_backward"
         ahead = backend.allocated_bytes()
         figures["optimizer_state"] = max(0, ahead - after_wrap)
-        _step(workload, wrapped, batch_size, backend.device)
+        _step(workload, wrapped, batch_size, backend.device, peaks)
         figures["gradients"] = max(0, backend.allocated_bytes() - ahead)
         peaks.read(at[0])
         at[0] = "optimizer"

@@ -177,6 +177,7 @@ class BatchCurve:
     symbol: Any
     smallest: int             # the smallest batch the symbol's range allows
     log: tuple[tuple[int, Coefficients | None], ...] = ()  # the step's requests and frees, in order
+    forward: tuple[Coefficients, ...] = ()  # allocated at each step's forward end (Trial.forward_bytes)
 
     def answers(self, batch: int) -> bool:
         """Whether the traced step is the step at ``batch`` (every guard holds there)."""
@@ -204,7 +205,8 @@ class BatchCurve:
         opt = max(_value(c, batch) for c in self.optimizer)
         peak = max(fb, opt)
         return Trial(batch=batch, fits=True, peak_bytes=peak, reserved_bytes=peak, forward_backward_bytes=fb,
-                     optimizer_bytes=opt, resident_bytes=_value(self.resident, batch))
+                     optimizer_bytes=opt, resident_bytes=_value(self.resident, batch),
+                     forward_bytes=max((_value(c, batch) for c in self.forward), default=0))
 
 
 def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps: int = 1,
@@ -244,11 +246,12 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
             marks = [len(tracker.log)]  # where the prime (if any), the forward, the optimizer step, the rest begin
             opt = make_optimizer(workload.optimizer, trained)
             try:
-                phases: dict[str, set[Coefficients]] = {"forward_backward": set(), "optimizer": set()}
+                phases: dict[str, set[Coefficients]] = {"forward_backward": set(), "optimizer": set(), "forward": set()}
                 for _ in range(steps):
                     tracker.reset_peak()
                     marks.append(len(tracker.log))
-                    forward_backward(workload, model, batch, backend.device)
+                    forward_backward(workload, model, batch, backend.device,
+                                     lambda: phases["forward"].add(tracker.current))
                     marks.append(len(tracker.log))
                     grads = [tracker.token(p.grad) if p.grad is not None else None for p in trained]
                     tracker.reset_peak()
@@ -289,4 +292,4 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
     low = env.var_to_range[symbol].lower
     return BatchCurve(forward_backward=_envelope(phases["forward_backward"]), optimizer=_envelope(phases["optimizer"]),
                       resident=resident, guards=tuple(g.expr for g in env.guards), symbol=symbol,
-                      smallest=max(1, int(low)), log=log)
+                      smallest=max(1, int(low)), log=log, forward=_envelope(phases["forward"]))

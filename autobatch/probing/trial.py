@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -36,6 +36,9 @@ class Trial:
     before it failed. ``resident_bytes`` is what stays allocated between steps (parameters and
     optimizer state), ``None`` when the trial failed. ``alloc_retries`` counts the requests the
     allocator served only after flushing its cache: such a trial fits, but only just.
+    ``forward_bytes`` is what was allocated at the forward's end (the loss computed, the backward not
+    begun), the most of any step: the resident memory and the activations the backward will use, which
+    a flat gradient peak hides at small batches (0 where not measured: a user's own training function).
     """
 
     batch: int
@@ -48,6 +51,7 @@ class Trial:
     seconds_per_step: float | None = None
     error: str | None = None
     alloc_retries: int = 0
+    forward_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,14 +98,18 @@ def batch_on(workload: Workload, batch_size: int, device: torch.device) -> Any:
     return to_device(batch, device, weights)
 
 
-def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
-    """One micro-batch's forward and backward at ``batch_size`` (gradients accumulate in ``model``)."""
+def forward_backward(workload: Workload, model: torch.nn.Module, batch_size: int, device: torch.device,
+                     at_forward_end: Callable[[], None] | None = None) -> None:
+    """One micro-batch's forward and backward at ``batch_size`` (gradients accumulate in ``model``);
+    ``at_forward_end`` is called between the two (:meth:`PhasePeaks.forward_end`)."""
     # A function of its own so the batch, activations and loss die with its frame.
     batch = batch_on(workload, batch_size, device)
     dtype = resolve_dtype(workload.dtype)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else nullcontext()
     with autocast:
         loss = step_loss(workload.loss_fn, model, batch)
+    if at_forward_end is not None:
+        at_forward_end()
     loss.backward()
 
 
@@ -130,8 +138,12 @@ class PhasePeaks:
 
     def __init__(self, backend: MemoryBackend, phase_by: str = "allocated"):
         self.backend, self.phase_by = backend, phase_by
-        self.allocated = self.reserved = 0
+        self.allocated = self.reserved = self.forward = 0
         self.phase = {"forward_backward": 0, "optimizer": 0}
+
+    def forward_end(self) -> None:
+        """Fold in what is allocated now, at a forward's end (:attr:`Trial.forward_bytes`)."""
+        self.forward = max(self.forward, self.backend.allocated_bytes())
 
     def read(self, phase: str) -> int:
         """Fold in the backend's peak since the last read, as ``phase``'s, reset it, and return it (by ``phase_by``)."""
@@ -170,7 +182,7 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
                 backend.synchronize()
                 start = time.perf_counter()
                 phase = "forward_backward"
-                forward_backward(workload, model, batch_size, backend.device)
+                forward_backward(workload, model, batch_size, backend.device, peaks.forward_end)
                 peaks.read(phase)
                 phase = "optimizer"
                 _optimizer_step(optimizer, workload.grads_held)
@@ -201,4 +213,5 @@ def run_trial(workload: Workload, model: torch.nn.Module, backend: MemoryBackend
         seconds_per_step=statistics.median(times[1:] or times) if fits else None,
         error=error,
         alloc_retries=backend.alloc_retries() - retries_before,
+        forward_bytes=peaks.forward if fits else 0,
     )

@@ -10,7 +10,8 @@ trace as a prior, without it, and for doubling + bisection on the same curves.
 Each curve is a pure-Python oracle that returns the :class:`~autobatch.trial.Trial` fields
 ``run_trial`` fills: the reserved peak of the forward+backward phase and of the optimizer step,
 the allocated peak, the resident bytes after a step that fits (``None`` after one that fails),
-and for a trial that runs out of memory the figures reached before the allocation that failed
+what is allocated at the forward's end (the resident memory and the activations: the curve's
+batch-dependent part, or on the two regimes the activations' piece), and for a trial that runs out of memory the figures reached before the allocation that failed
 (activations are allocated in sixteen chunks; the one that would cross the capacity raises), so
 a failed trial never reports more than the capacity — as on a device.
 
@@ -72,6 +73,12 @@ class Curve:
     # allocates (> 0) or only the trace does (< 0); the trace books its tensors as the allocator.
     unseen: float = 0.0
     smooth_prior: bool = False  # the staircase's prior without the allocator model (for comparison)
+    activations: Callable[[float], float] | None = field(default=None, repr=False)  # live at the forward's end, share of B
+
+    def forward(self, b: int) -> int:
+        """Allocated at the end of the forward at batch ``b``: the resident memory and the activations."""
+        share = self.activations(b / self.scale) if self.activations else self.shape(b / self.scale) - self.shape(0.0)
+        return self.resident + int(self.budget * share)
 
     @property
     def budget(self) -> int:
@@ -120,7 +127,7 @@ def oracle(curve: Curve) -> Callable[[int], Trial]:
         allocated, reserved = curve.forward_backward(b)
         if max(reserved, optimizer) <= capacity:
             return Trial(b, True, max(allocated, optimizer), max(reserved, optimizer), reserved, optimizer,
-                         resident_bytes=resident, seconds_per_step=0.05 + b * 1e-5)
+                         resident_bytes=resident, seconds_per_step=0.05 + b * 1e-5, forward_bytes=curve.forward(b))
         base = resident + int(curve.budget * curve.shape(0.0))
         chunk = max(1, (reserved - base) // _CHUNKS)
         reached = max(resident, min(capacity, base + max(0, capacity - base) // chunk * chunk))
@@ -183,7 +190,8 @@ def _shapes(t: float, e1: float, e2: float) -> Iterator[tuple[str, str, dict]]:
     for g, o in ((0.3, 0.5), (0.6, 0.2), (0.1, 0.7)):
         shape = (lambda g: lambda x: max(g + 0.03 * x, x))(g)
         prior = (lambda g: lambda x: max(g + 0.03 * x, (1 + e1) * x))(g)
-        yield "two regimes", f"gradients {g:g}·B, optimizer {o:g}·B", dict(shape=shape, optimizer=o, prior_shape=prior)
+        yield "two regimes", f"gradients {g:g}·B, optimizer {o:g}·B", dict(shape=shape, optimizer=o, prior_shape=prior,
+                                                                          activations=lambda x: x)
     for g, lin in ((0.0, 0.0), (0.1, 0.3), (0.05, 0.85), (0.3, 0.1)):
         quad = 1 - g - lin
         yield "superlinear", f"{g:g} + {lin:g}x + {quad:g}x²", dict(

@@ -36,7 +36,7 @@ EXPECTED: dict[str, tuple[tuple[str, ...], list[str]]] = {
                                        # the template's 500M-element buckets, which the batch was found with
                                        "memory ≈ 1.93 GiB + ",
                                        "deepspeed accepts it on 16 ranks: 7 micro × 2 accumulation × 16 = 224, ZeRO stage 2"]),
-    "lightning_autobatch": (("lightning",), ["max batch 111 (limited by memory), found in 6 trials",
+    "lightning_autobatch": (("lightning",), ["max batch 111 (limited by memory), found in 7 trials",
                                              "# 64 batch size * 4 accumulate_grad_batches * 1 devices = 256 samples per step",
                                              "done: 3 optimizer steps"]),
     "hf_autobatch": (("transformers", "accelerate"), ["max batch 13 (limited by memory), found in 5 trials",

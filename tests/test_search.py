@@ -141,14 +141,59 @@ def test_gradients_setting_small_batch_peaks_does_not_send_the_search_far_past_t
     assert [(t.batch, t.fits) for t in traced.trials] == [(1, True), (33, True), (34, False)]
 
 
+def _flat_then_steep(recompute: float = 1.0, forward: bool = True):
+    """Gradients set a flat 700 MB peak (on 100 MB resident) until the activations, 9 kB a sample at the
+    forward's end, take over; a backward that recomputes grows ``recompute`` times as fast."""
+    def run(b: int) -> Trial:
+        peak = max(700_000_000, 100_000_000 + int(recompute * 9_000 * b))
+        fits = peak <= 1_000_000_000
+        return Trial(b, fits, peak, peak, peak, 0, resident_bytes=100_000_000 if fits else None,
+                     forward_bytes=100_000_000 + 9_000 * b if forward and fits else 0)
+    return run
+
+
+def test_the_forward_end_shows_the_activations_a_flat_gradient_peak_hides():
+    # Without the forward's end, nothing rules out a steep piece through the resident memory right past
+    # the largest fit, and the batch may only grow by about 2.5 ÷ 0.6 a trial (docs/search.md).
+    seen = search_max(_flat_then_steep(), 1_000_000_000)
+    blind = search_max(_flat_then_steep(forward=False), 1_000_000_000)
+    assert seen.max_batch == blind.max_batch == 100_000
+    assert [t.batch for t in seen.trials] == [1, 182, 83_332, 100_000, 100_001]
+    assert len(blind.trials) == 15
+
+
+def test_a_peak_that_outgrows_three_times_the_forward_is_still_exact_and_costs_two_trials_more():
+    # The backward holds what the forward saved and the gradients of one op's output and input, so the bound
+    # grants the steep piece three times the forward's growth; one that grows faster where the points do not
+    # show it (a recompute hidden under the gradients' peak, where a real one grows the peak from the first
+    # batches) fails at or below that bound, and the forward's evidence is dropped: two failures, then the
+    # bracket from the largest fit.
+    for recompute, answer, more in ((2, 50_000, -7), (4, 25_000, 2)):
+        seen = search_max(_flat_then_steep(recompute), 1_000_000_000)
+        blind = search_max(_flat_then_steep(recompute, forward=False), 1_000_000_000)
+        assert seen.max_batch == blind.max_batch == answer
+        assert len(seen.trials) == len(blind.trials) + more, (recompute, [t.batch for t in seen.trials])
+
+
+def test_a_peak_that_grows_faster_than_the_forward_where_measured_is_granted_that_ratio():
+    from autobatch.probing.memory_curve import steep
+
+    # Checkpointing: the forward's end holds 12 units a sample, the backward recomputes 34 more beside them.
+    points = {b: 1_000 + 46 * b for b in (1, 64)}
+    assert steep(points, {b: 100 + 12 * b for b in (1, 64)}, 100) == {1: 100 + 46, 64: 100 + 46 * 64}
+    assert steep(points, {1: 0}, 100) == {}  # not measured
+
 
 def test_docstring_example_runs():
     import doctest
 
+    import autobatch.probing.memory_curve
     import autobatch.probing.prior_steps
     import autobatch.probing.search
+    import autobatch.probing.trials_alone
 
-    for module in (autobatch.probing.search, autobatch.probing.prior_steps):
+    for module in (autobatch.probing.search, autobatch.probing.prior_steps, autobatch.probing.trials_alone,
+                   autobatch.probing.memory_curve):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 

@@ -121,7 +121,7 @@ def test_the_sharded_step_traced_on_fake_tensors_leads_the_search_where_the_tria
         led = said["traced_batches"] if said["led"] else said["reason"]
         return finding.probe.max_batch, [(t.batch, t.fits) for t in finding.probe.trials], led, said
 
-    alone = [(1, True), (5, True), (23, False), (11, True), (16, True), (18, True), (19, False)]
+    alone = [(1, True), (6, True), (21, False), (12, True), (17, True), (18, True), (19, False)]
     assert trials(use_trace_prior=False)[:3] == (18, alone, TURNED_OFF)
     # Dear trials: the trace is done after the first and leads to the answer from there
     best, tried, led, said = trials(_dear_steps(False))

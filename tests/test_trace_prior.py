@@ -162,7 +162,7 @@ def test_cli_no_trace_prior_searches_from_trials_alone(tmp_path, trace_first):
     led = json.loads(CliRunner().invoke(app, args).stdout)
     alone = json.loads(CliRunner().invoke(app, [*args, "--no-trace-prior"]).stdout)
     assert [t["batch"] for t in led["trials"]] == [2, 49, 50]
-    assert [t["batch"] for t in alone["trials"]] == [2, 15, 49, 50]
+    assert [t["batch"] for t in alone["trials"]] == [2, 17, 49, 50]
     assert led["max_batch"] == alone["max_batch"] == 49
     assert led["probe"]["trace_prior"]["traced_batches"] == [2, 4, 16, 64] and led["probe"]["trace_prior"]["led"]
     assert alone["probe"]["trace_prior"]["led"] is False and alone["probe"]["trace_prior"]["reason"] == TURNED_OFF
@@ -193,7 +193,7 @@ def test_find_takes_the_switch(trace_first):
                                   use_trace_prior=flag, on_trial=lambda t, flag=flag: tried[flag].append(t.batch))
              for flag in (True, False)}
     assert tried[True] == [1, 320, 321]
-    assert tried[False] == [1, 15, 197, 296, 320, 321]
+    assert tried[False] == [1, 27, 262, 310, 320, 321]
     assert plans[True] == plans[False] and plans[True].micro_batch == 320
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Container, Sequence
 
 __all__ = [
     "Curve", "fit_line", "bends_up", "chord_batch", "predict_batch", "crossing", "ladder", "calibrate", "curvature_bound",
-    "quadratic", "last_kept",
+    "quadratic", "last_kept", "steep",
 ]
 
 Curve = Callable[[int], float]  # predicted peak bytes at a batch
@@ -92,7 +92,7 @@ def chord_batch(points: dict[int, int], resident: int | None, limit: int) -> int
     return int((limit - resident) * anchor // (points[anchor] - resident))
 
 
-def curvature_bound(points: dict[int, int], resident: int, limit: int) -> float:
+def curvature_bound(points: dict[int, int], resident: int, limit: int, steep: dict[int, int] | None = None) -> float:
     """A batch that fits on every curve the points allow, of the kinds memory makes.
 
     Those kinds: ``a + c·b + q·b²`` with ``a ≥ resident`` and ``c, q ≥ 0`` (activations,
@@ -108,8 +108,11 @@ def curvature_bound(points: dict[int, int], resident: int, limit: int) -> float:
         return math.inf
     rise += 1  # bytes are whole: a rise read as r bytes may be up to r + 1 (it matters where a sample is a few bytes)
     headroom = max(0.0, limit - resident)
-    chord = anchor * headroom / rise
-    square = anchor * math.sqrt(headroom / rise)  # resident + k·b² through the anchor: always allowed
+    through = rise  # what a piece through the resident memory may reach at the anchor
+    if steep and anchor in steep and 0 < steep[anchor] - resident < rise:
+        through = steep[anchor] - resident + 1
+    chord = anchor * headroom / through
+    square = anchor * math.sqrt(headroom / through)  # resident + k·b² through the anchor: always allowed
     if len(points) < 2:
         return square
     x1 = max(b for b in points if b < anchor)
@@ -126,6 +129,32 @@ def curvature_bound(points: dict[int, int], resident: int, limit: int) -> float:
     q, a, c = max(candidates)
     reach = (-c + math.sqrt(c * c + 4 * q * max(0.0, headroom - a))) / (2 * q)
     return min(chord, max(square, reach))
+
+
+def steep(points: dict[int, int], forward: dict[int, int], resident: int) -> dict[int, int]:
+    """What a piece of the peak through the resident memory may reach at each batch, from the forward's end.
+
+    At any moment of the backward it holds what the forward saved and not yet freed, the gradient of
+    the running op's output and the one of its input, each at most an activation: so the peak's
+    batch-dependent part is taken to grow at most three times as fast as the forward's (2.5 on the
+    tests' two-layer MLP under AdamW, whose ReLU's two gradients are as large as all it saved). Where
+    the peaks grew faster than that between the smallest and largest batch (a backward that
+    recomputes what checkpointing dropped), by that ratio. It is a bound of the usual, not a proof:
+    the search drops it once a trial fails below a batch it allowed. ``forward``: allocated bytes at
+    the forward's end.
+
+    Example:
+        >>> steep({1: 160, 8: 160}, {1: 101, 8: 108}, 100)  # gradients set a flat peak; 1 byte of activations a sample
+        {1: 103, 8: 124}
+    """
+    rise = {b: f - resident for b, f in forward.items() if b in points and f > resident}
+    if not rise:
+        return {}
+    low, high = min(rise), max(rise)
+    factor = 3.0
+    if high > low and rise[high] > rise[low]:
+        factor = max(factor, (points[high] - points[low]) / (rise[high] - rise[low]))
+    return {b: resident + math.ceil(factor * r) for b, r in rise.items()}
 
 
 def last_kept(keeps: Callable[[int], bool], low: int, high: int, asks: Callable[[int], bool] = lambda b: True) -> int:

@@ -41,7 +41,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .memory_curve import Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch
+from .memory_curve import Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch, steep
 from .pending import Pending, stopped
 from .prior_steps import blur, step_below
 from .trials_alone import REACH, TrialsAlone
@@ -95,6 +95,8 @@ class _Search:
         self.totals: dict[int, int] = {}  # the whole step's reserved peak, for the prior
         self.growing: dict[int, int] = {}  # the same where forward+backward, not the optimizer, set it
         self.resident: int | None = None
+        self.forward: dict[int, int] = {}  # allocated at the end of the forward, where measured
+        self.promised: float | None = None  # the last batch the forward's evidence said fits on every curve
         self.trials: list[Trial] = []
         self.last: Trial | None = None  # the last trial learned from
         self.pending: Pending | None = None  # a prior traced on a thread, until it is ready (see adopt)
@@ -134,12 +136,17 @@ class _Search:
             self.phases[0][batch] = trial.forward_backward_bytes or trial.reserved_bytes
             self.phases[1][batch] = trial.optimizer_bytes or trial.reserved_bytes
             self.totals[batch] = trial.reserved_bytes
+            if trial.forward_bytes:
+                self.forward[batch] = trial.forward_bytes
             if trial.forward_backward_bytes >= trial.optimizer_bytes:
                 self.growing[batch] = trial.reserved_bytes
             if trial.resident_bytes is not None:
                 self.resident = trial.resident_bytes
         else:
             self.hi = batch if self.hi is None else min(self.hi, batch)
+            if self.promised is not None and batch <= self.promised:
+                self.forward = {}  # a peak that outgrew three times the forward's: its evidence is dropped
+                self.promised = None
         return trial.fits
 
     def estimate(self, cautious: int = 0) -> int | None:
@@ -179,8 +186,17 @@ class _Search:
         if self.prior is not None:
             return self.cap
         base = self.resident if self.resident is not None else 0
-        bound = curvature_bound(self.phases[0], min(base, min(self.phases[0].values())), self.capacity)
+        bound = self.safe(self.phases[0], min(base, min(self.phases[0].values())))
         return int(min(self.cap, max(2 * self.lo, REACH * int(bound)))) if math.isfinite(bound) else self.cap
+
+    def safe(self, points: dict[int, int], base: int) -> float:
+        """A batch that fits on every curve through ``points`` (:func:`~autobatch.probing.memory_curve.curvature_bound`),
+        its pieces through the resident memory bounded by what the forward's end showed where it was measured
+        (:func:`~autobatch.probing.memory_curve.steep`), until a trial fails at or below such a bound."""
+        bound = curvature_bound(points, base, self.capacity, steep(points, self.forward, base))
+        if self.forward and bound > curvature_bound(points, base, self.capacity):
+            self.promised = bound  # a failure at or below it refutes the forward's evidence (see learn)
+        return bound
 
     def bisect(self) -> int:
         if self.hi is None:

@@ -10,13 +10,21 @@ has no prior. Two figures are drawn from the trials that fit (:mod:`autobatch.pr
 * **the batch that fits on every curve** the points allow of the kinds memory makes
   (:func:`~autobatch.probing.memory_curve.curvature_bound`).
 
+Where a trial measured the forward's end (:attr:`~autobatch.probing.trial.Trial.forward_bytes`:
+the activations the backward will use, which a flat gradient peak hides at small batches), both
+use it: the curve through those points bounds the model's boundary (the peak is at least what the
+forward's end holds), and the steep pieces the batch that fits on every curve allows grow at most
+three times as fast as the forward's, or as much faster as the peaks grew where they did
+(:func:`~autobatch.probing.memory_curve.steep`); a failure at or below such a batch drops it.
+
 A trial goes to the model's boundary, never below the batch that fits on every curve and never
 more than :data:`REACH` times past it (so a convex curve's chord, the square of the answer on a
 pure square, is never tried). After a failure the batch that fits on every curve is tried. The
 model was wrong low when a trial past its boundary fit, or when its boundary fit and it then puts
-the boundary further by as much as its last step; twice running, it creeps (a staircase's flat
-stretch) and its step doubles, up to the batch below the smallest failure. Two failures running,
-or three trials that did not halve the bracket, and it is bisected.
+the boundary further by as much as its last step, that trial within an eighth of the headroom of
+the capacity; twice running, it creeps (a staircase's flat stretch) and its step doubles, up to
+the batch below the smallest failure. Two failures running, or three trials that did not halve
+the bracket, and it is bisected.
 
 Example:
     >>> from autobatch.probing.search import search_max
@@ -24,6 +32,10 @@ Example:
     >>> line = lambda b: Trial(b, 100 + 7 * b <= 1000, 100 + 7 * b, 100 + 7 * b, resident_bytes=100)
     >>> [t.batch for t in search_max(line, 1000).trials]  # 25: 2.5 × 10, the answer were it 100 + 7·b²
     [1, 25, 128, 129]
+    >>> flat = lambda b: Trial(b, max(700, 100 + 9 * b) <= 1000, max(700, 100 + 9 * b), max(700, 100 + 9 * b),
+    ...                        resident_bytes=100, forward_bytes=100 + 9 * b)  # gradients' flat peak; activations
+    >>> [t.batch for t in search_max(flat, 1000).trials]  # without forward_bytes: 1, 2, 5, 17, 62, 230, 92, 101, 99, 100
+    [1, 5, 82, 100, 101]
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .memory_curve import crossing, curvature_bound, fit_line, ladder
+from .memory_curve import crossing, fit_line, ladder
 
 __all__ = ["REACH", "TrialsAlone"]
 
@@ -39,6 +51,7 @@ REACH = 2.5    # how far past the batch that fits on every curve (its floor) one
 _SPACING = 64  # slopes are read over the last 1/64 of the batch
 _STALLS = 3  # trials that did not halve the bracket, running, before it is bisected
 _CREEP = 4     # a model creeps when it moves its boundary by at least a quarter of its last step
+_NEAR = 8      # ... from a trial within this share of the headroom of the capacity
 
 
 class TrialsAlone:
@@ -61,9 +74,14 @@ class TrialsAlone:
         if not points:  # pass/fail trials: nothing to model
             return s.clamp(s.bisect())
         base = min(points.values()) if s.resident is None else min(s.resident, min(points.values()))
-        safe = curvature_bound(points, base, s.capacity)
+        safe = s.safe(points, base)
         model = ladder(points, s.resident, spacing=_SPACING, checked=True)
         guess = math.inf if model is None else crossing(model, s.capacity, s.lo, s.cap)
+        # The peak is at least what the forward's end holds: where that crosses first, it bounds (gradients
+        # can set a flat peak at small batches that hides the activations' growth).
+        acts = ladder({b: f for b, f in s.forward.items() if b in points}, s.resident, spacing=_SPACING, checked=True)
+        if acts is not None:
+            guess = min(guess, crossing(acts, s.capacity, s.lo, s.cap))
         line = fit_line(s.phases[1])  # the optimizer step grows hardly, but where it crosses first it bounds
         if line is not None:
             bound = max(s.lo, int((s.capacity - line[0]) // line[1]))
@@ -81,9 +99,12 @@ class TrialsAlone:
         if math.isfinite(safe) and safe > guess:
             guess = int(safe)  # the model aims below a batch that fits on every curve: no need
         # The model was wrong low when a trial past its boundary fit, or when its boundary fit and it
-        # now puts the boundary further by as much as its last step; twice running, it creeps.
+        # now puts the boundary further by as much as its last step, that trial near the capacity (within
+        # an eighth of the headroom: far below it, the model was wrong by much, and its next one, through
+        # that point, is nearer); twice running, it creeps.
         wrong_low = placed is not None and not failed and (
-            self.beyond or (math.isfinite(guess) and guess > placed and _CREEP * (guess - s.lo) >= self.step))
+            self.beyond or (math.isfinite(guess) and guess > placed and _CREEP * (guess - s.lo) >= self.step)) \
+            and s.capacity - points.get(placed, 0) <= (s.capacity - base) / _NEAR
         self.creep = self.creep + 1 if wrong_low else 0
         said = guess  # the model's own boundary, before any stretch
         if self.creep > 1:

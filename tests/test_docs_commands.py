@@ -49,21 +49,19 @@ def test_every_document_shows_commands():
     assert any(cmd.startswith("autobatch find") for _, cmd, _ in CASES)
 
 
-@pytest.fixture(scope="module")
-def workdirs(tmp_path_factory):
-    dirs = {}
-    for doc in DOCUMENTS:
-        work = tmp_path_factory.mktemp(Path(doc).stem)
-        shutil.copytree(ROOT / "docs", work / "docs")
-        dirs[doc] = work
-    return dirs
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_commands_run_as_documented(document, tmp_path, monkeypatch):
+    # A document's commands in one test, in order, as one user runs them: a command reads the files and
+    # cached probes the ones before it wrote (one test per command let pytest-xdist run a command on
+    # another worker than the ones before it, in another directory, where its cache was not).
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(tmp_path / ".cache"))
+    for command, expected in commands(document):
+        _runs_as_documented(command, expected)
 
 
-@pytest.mark.parametrize("document, command, expected", CASES, ids=[f"{d}:{c[:60]}" for d, c, _ in CASES])
-def test_command_runs_as_documented(document, command, expected, workdirs, monkeypatch):
-    monkeypatch.chdir(workdirs[document])
-    # One cache per document, as one user's: a command reads what the commands before it stored.
-    monkeypatch.setenv("AUTOBATCH_CACHE_DIR", str(workdirs[document] / ".cache"))
+def _runs_as_documented(command: str, expected: int) -> None:
     if command.startswith("autobatch "):
         # In-process through typer's runner: the same command, without a fresh interpreter per line
         # (tests/test_cli_*.py run the console entry point as a subprocess too).
@@ -76,7 +74,7 @@ def test_command_runs_as_documented(document, command, expected, workdirs, monke
         code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     assert code == expected, f"{command}\nstdout:\n{stdout}\nstderr:\n{stderr}"
     if expected == 2:
-        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, command
 
 
 _PYTHON = re.compile(r"```python\n(.*?)```", re.S)

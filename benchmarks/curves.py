@@ -11,9 +11,10 @@ Each curve is a pure-Python oracle that returns the :class:`~autobatch.trial.Tri
 ``run_trial`` fills: the reserved peak of the forward+backward phase and of the optimizer step,
 the allocated peak, the resident bytes after a step that fits (``None`` after one that fails),
 what is allocated at the forward's end (the resident memory and the activations: the curve's
-batch-dependent part, or on the two regimes the activations' piece), and for a trial that runs out of memory the figures reached before the allocation that failed
-(activations are allocated in sixteen chunks; the one that would cross the capacity raises), so
-a failed trial never reports more than the capacity — as on a device.
+batch-dependent part, or on the two regimes the activations' piece), and for a trial that runs
+out of memory the figures reached before the allocation that failed (activations are allocated
+in sixteen chunks; the one that would cross the capacity raises), so a failed trial never
+reports more than the capacity — as on a device.
 
 A curve is ``peak(b) = R + B·shape(b / T)`` with ``R`` the resident memory (a share of the
 capacity), ``B`` the rest, ``shape(1) = 1`` and ``T`` between the true maximum and one more.

@@ -166,8 +166,8 @@ def test_a_peak_that_outgrows_three_times_the_forward_is_still_exact_and_costs_t
     # The backward holds what the forward saved and the gradients of one op's output and input, so the bound
     # grants the steep piece three times the forward's growth; one that grows faster where the points do not
     # show it (a recompute hidden under the gradients' peak, where a real one grows the peak from the first
-    # batches) fails at or below that bound, and the forward's evidence is dropped: two failures, then the
-    # bracket from the largest fit.
+    # batches) fails at or below that bound, and the forward's points so far are dropped: two failures, then
+    # the bracket from the largest fit.
     for recompute, answer, more in ((2, 50_000, -7), (4, 25_000, 2)):
         seen = search_max(_flat_then_steep(recompute), 1_000_000_000)
         blind = search_max(_flat_then_steep(recompute, forward=False), 1_000_000_000)

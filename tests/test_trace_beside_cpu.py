@@ -98,8 +98,9 @@ def test_a_spawned_trace_given_up_still_leads_once_it_is_ready_on_the_idle_core(
     try:
         prior.give_up(left=9.0, trial=1.0)
         pending = Pending(prior)
-        deadline = time.perf_counter() + 180  # generous: at the idle policy it waits while the suite's other
-        while pending.take(trials_run=3) is None and time.perf_counter() < deadline:  # worker holds the cores
+        # generous: at the idle policy it waits while the suite's other worker holds the cores
+        deadline = time.perf_counter() + 180
+        while pending.take(trials_run=3) is None and time.perf_counter() < deadline:
             time.sleep(0.1)
         assert prior.ready() and prior.from_trial == 3 and prior.lent == 0.0
     finally:

@@ -92,7 +92,7 @@ def chord_batch(points: dict[int, int], resident: int | None, limit: int) -> int
     return int((limit - resident) * anchor // (points[anchor] - resident))
 
 
-def curvature_bound(points: dict[int, int], resident: int, limit: int, steep: dict[int, int] | None = None) -> float:
+def curvature_bound(points: dict[int, int], resident: int, limit: int, reaches: dict[int, int] | None = None) -> float:
     """A batch that fits on every curve the points allow, of the kinds memory makes.
 
     Those kinds: ``a + c·b + q·b²`` with ``a ≥ resident`` and ``c, q ≥ 0`` (activations,
@@ -100,7 +100,9 @@ def curvature_bound(points: dict[int, int], resident: int, limit: int, steep: di
     ``resident`` (gradients setting the small batches' peak, activations the large ones').
     For the first, the most curved such quadratic through the two largest points; for the
     second, the chord from ``resident`` through the largest. A step may not reach much past
-    the smaller of the two: nothing measured rules out the curve that reaches it.
+    the smaller of the two: nothing measured rules out the curve that reaches it. ``reaches``
+    (:func:`steep`): the most a piece through ``resident`` may reach at each batch; where that lies
+    below the largest point, the chord and the pure square are drawn through it instead.
     """
     anchor = max(points)
     rise = points[anchor] - resident
@@ -109,8 +111,8 @@ def curvature_bound(points: dict[int, int], resident: int, limit: int, steep: di
     rise += 1  # bytes are whole: a rise read as r bytes may be up to r + 1 (it matters where a sample is a few bytes)
     headroom = max(0.0, limit - resident)
     through = rise  # what a piece through the resident memory may reach at the anchor
-    if steep and anchor in steep and 0 < steep[anchor] - resident < rise:
-        through = steep[anchor] - resident + 1
+    if reaches and anchor in reaches and 0 < reaches[anchor] - resident < rise:
+        through = reaches[anchor] - resident + 1
     chord = anchor * headroom / through
     square = anchor * math.sqrt(headroom / through)  # resident + k·b² through the anchor: always allowed
     if len(points) < 2:
@@ -140,8 +142,8 @@ def steep(points: dict[int, int], forward: dict[int, int], resident: int) -> dic
     tests' two-layer MLP under AdamW, whose ReLU's two gradients are as large as all it saved). Where
     the peaks grew faster than that between the smallest and largest batch (a backward that
     recomputes what checkpointing dropped), by that ratio. It is a bound of the usual, not a proof:
-    the search drops it once a trial fails below a batch it allowed. ``forward``: allocated bytes at
-    the forward's end.
+    the search drops the forward's points read so far once a trial fails below a batch it allowed.
+    ``forward``: allocated bytes at the forward's end.
 
     Example:
         >>> steep({1: 160, 8: 160}, {1: 101, 8: 108}, 100)  # gradients set a flat peak; 1 byte of activations a sample

@@ -145,7 +145,7 @@ class _Search:
         else:
             self.hi = batch if self.hi is None else min(self.hi, batch)
             if self.promised is not None and batch <= self.promised:
-                self.forward = {}  # a peak that outgrew three times the forward's: its evidence is dropped
+                self.forward = {}  # a peak that outgrew three times the forward's: the points so far are dropped
                 self.promised = None
         return trial.fits
 
@@ -192,7 +192,8 @@ class _Search:
     def safe(self, points: dict[int, int], base: int) -> float:
         """A batch that fits on every curve through ``points`` (:func:`~autobatch.probing.memory_curve.curvature_bound`),
         its pieces through the resident memory bounded by what the forward's end showed where it was measured
-        (:func:`~autobatch.probing.memory_curve.steep`), until a trial fails at or below such a bound."""
+        (:func:`~autobatch.probing.memory_curve.steep`); a trial that fails at or below such a bound drops the
+        forward's points read so far (:meth:`learn`), and the trials after it read their own."""
         bound = curvature_bound(points, base, self.capacity, steep(points, self.forward, base))
         if self.forward and bound > curvature_bound(points, base, self.capacity):
             self.promised = bound  # a failure at or below it refutes the forward's evidence (see learn)

@@ -15,7 +15,8 @@ the activations the backward will use, which a flat gradient peak hides at small
 use it: the curve through those points bounds the model's boundary (the peak is at least what the
 forward's end holds), and the steep pieces the batch that fits on every curve allows grow at most
 three times as fast as the forward's, or as much faster as the peaks grew where they did
-(:func:`~autobatch.probing.memory_curve.steep`); a failure at or below such a batch drops it.
+(:func:`~autobatch.probing.memory_curve.steep`); a failure at or below such a batch drops the
+forward's points read so far (the trials after it read their own).
 
 A trial goes to the model's boundary, never below the batch that fits on every curve and never
 more than :data:`REACH` times past it (so a convex curve's chord, the square of the answer on a

@@ -114,3 +114,17 @@ def test_a_value_read_in_the_symbolic_trace_takes_the_stand_in_as_in_a_trace_at_
     # which takes the stand-in (one) as a trace at one size does, so the curve is still made.
     work, mode = _fake(replace(mlp_workload(), optimizer="adafactor"))
     _same_at_every_batch(work, mode, batches=(2, 9))
+
+
+def test_a_trace_asked_for_batches_a_guard_leaves_out_stops_at_the_next_torch_call(monkeypatch):
+    # the conv net's CPU convolution guards the batch below 16 in its forward: asked to answer 2, 4, 16
+    # and 64 (the batches the per-batch prior traces), the trace stops there, before the backward
+    work, mode = _fake(cnn_workload())
+    backwards = []
+    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: backwards.append(1))
+    assert trace_batches(work, work.model, fake_mode=mode, cuda_autocast=False, needs=(2, 4, 16, 64)) is None
+    assert backwards == []
+    monkeypatch.undo()
+    # asked for none, it answers the batches the guard keeps
+    curve = trace_batches(work, work.model, fake_mode=mode, cuda_autocast=False)
+    assert curve is not None and [curve.answers(b) for b in (2, 15, 16)] == [True, True, False]

@@ -208,21 +208,22 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
 
 
 def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any, fused_attention: bool = True,
-                  cuda_autocast: bool = True, primed: bool = True) -> BatchCurve | None:
+                  cuda_autocast: bool = True, primed: bool = True, needs: tuple[int, ...] = ()) -> BatchCurve | None:
     """:func:`trace_trial`'s steps traced once with a symbolic batch: its figures, and its requests to
     the allocator, at every batch the curve answers (:class:`~.symbolic.BatchCurve`), or ``None``
     where torch cannot trace it so. ``primed``: the one steady step after a step on zero gradients,
     else a log of whole steps for the allocator's model, made from that one step where it can be
-    (:func:`~.made_log.whole_steps`), else traced whole (held gradients: the first backward makes them)."""
+    (:func:`~.made_log.whole_steps`), else traced whole (held gradients: the first backward makes them).
+    ``needs``: batches the curve must answer, or ``None`` as soon as a guard leaves one out."""
     steps = max(2, workload.steps)
     if primed or not workload.grads_held:
         backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)
         try:
-            return trace_curve(work, model, backend, whole=0 if primed else steps, primed=True)
+            return trace_curve(work, model, backend, whole=0 if primed else steps, primed=True, needs=needs)
         except NotWhole:  # the steps traced whole, below
             pass
     backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, False)
-    return trace_curve(work, model, backend, steps=steps)
+    return trace_curve(work, model, backend, steps=steps, needs=needs)
 
 
 def _tracing(workload: Workload, fake_mode: Any, fused_attention: bool, log: Any, cuda_autocast: bool,

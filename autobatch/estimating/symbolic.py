@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..probing.memtrack import MemoryTracker
 from ..probing.progress import working
@@ -31,7 +32,7 @@ from ..probing.trial import Trial, forward_backward
 from ..probing.workload import Workload, make_optimizer
 from .made_log import STEADY, Coefficients, shifted, steady_step, whole_steps, window
 
-__all__ = ["BatchCurve", "SymbolicTracker", "trace_curve", "NotWhole"]
+__all__ = ["BatchCurve", "SymbolicTracker", "trace_curve", "NotWhole", "BatchGuarded"]
 
 _HINT = 8  # the value torch assumes for the batch symbol where it must pick a branch (recorded as a guard)
 _PRUNE_AT = 4096  # candidate peaks kept before the dominated ones are dropped
@@ -59,6 +60,12 @@ class NotWhole(Exception):
 
 class NotABatchPolynomial(Exception):
     """A size the symbolic trace cannot keep as a polynomial in the batch (another symbol, a division)."""
+
+
+class BatchGuarded(Exception):
+    """Torch guarded the batch symbol so that the curve cannot answer a batch it must: pinned to its hint
+    (``batch == hint``: ``len()`` of a batch-sized tensor, a size read as a plain int), or, where the
+    trace was asked to answer some batches (``needs``), a branch that leaves one of them out."""
 
 
 class SymbolicTracker(MemoryTracker):
@@ -166,6 +173,31 @@ class SymbolicTracker(MemoryTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+class _StopOnceGuarded(TorchFunctionMode):
+    """Raise :class:`BatchGuarded` at the first torch call after the batch symbol is pinned, or after a
+    guard leaves out a batch of ``needs``. Checked where the model calls torch, never inside one of torch's
+    own kernels (an exception raised in a convolution's dispatch aborts the process)."""
+
+    def __init__(self, env: Any, symbol: Any, needs: tuple[int, ...]):
+        super().__init__()
+        self.env, self.symbol, self.needs = env, symbol, needs
+        self._checked = 0  # the env's guards checked so far
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(self.env.replacements.get(self.symbol), "is_number", False):
+            raise BatchGuarded(f"torch pinned the batch to {self.env.replacements[self.symbol]} before {func}")
+        guards = self.env.guards
+        if self.needs and len(guards) > self._checked:
+            import sympy
+
+            for guard in guards[self._checked:]:
+                left_out = [b for b in self.needs if guard.expr.xreplace({self.symbol: b}) is sympy.false]
+                if left_out:
+                    raise BatchGuarded(f"a guard ({guard.expr}) leaves out batch {left_out[0]} before {func}")
+            self._checked = len(guards)
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass(frozen=True)
 class BatchCurve:
     """A traced step's figures at any batch its guards allow: what :func:`~.estimate.trace_trial` gives there."""
@@ -210,7 +242,7 @@ class BatchCurve:
 
 
 def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps: int = 1,
-                whole: int = 0, primed: bool = False) -> BatchCurve | None:
+                whole: int = 0, primed: bool = False, needs: tuple[int, ...] = ()) -> BatchCurve | None:
     """Trace ``steps`` steps of ``model`` (fake, under ``backend.fake_mode``) with a symbolic batch.
 
     ``backend`` is the :class:`~.fake_backends._FakeBackend` a per-batch trace would run on, and
@@ -223,7 +255,8 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
     optimizers the steady step is then made from that step, not traced (:func:`~.made_log.steady_step`).
     ``whole``: the log as that many whole steps (:func:`~.made_log.whole_steps`), made from the one
     steady step traced after a primed optimizer; :class:`NotWhole` where the step is not one the log
-    can be made of.
+    can be made of. ``needs``: batches the curve must answer; the trace stops (``None``) once a guard
+    leaves one out, as it does once torch pins the batch to the symbol's hint (:class:`BatchGuarded`).
     """
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -240,7 +273,7 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
     backend._tracker = tracker
     try:
         with working(f"tracing {workload.name} once for every batch on fake tensors"), backend.track(
-                params + [b for b in model.buffers()]):
+                params + [b for b in model.buffers()]), _StopOnceGuarded(env, symbol, needs):
             trained = [p for p in params if p.requires_grad]
             sizes = [p.numel() * p.element_size() for p in trained]
             marks = [len(tracker.log)]  # where the prime (if any), the forward, the optimizer step, the rest begin

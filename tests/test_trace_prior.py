@@ -20,7 +20,7 @@ from autobatch.estimating.prior import trace_prior, try_trace_prior
 from autobatch.pipeline import TURNED_OFF, find_plan
 from autobatch.probing.search import NoTrace, search_max
 from autobatch.probing.trial import Trial
-from tests.tiny import cnn_workload, mlp, mlp_workload
+from tests.tiny import cnn_workload, lm_workload, mlp, mlp_workload
 
 
 def batches(finding):
@@ -240,3 +240,42 @@ def test_an_hf_model_with_a_head_autobatch_does_not_build_is_one_line(tmp_path, 
     said = " ".join(result.stderr.split())
     assert f"or with the head their config's architectures name (sequence or token classification, image " \
            f"classification, seq2seq), but '{name}' names none (no architectures)" in said
+
+
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+@pytest.mark.parametrize("make", [mlp_workload, lm_workload, cnn_workload], ids=["mlp", "lm", "cnn"])
+def test_the_prior_read_off_one_symbolic_trace_is_the_prior_traced_batch_by_batch(make, allocator, monkeypatch):
+    from autobatch.estimating import prior as priors
+
+    once = trace_prior(make(), allocator=allocator, device_type="cpu")
+    asked = [1, 2, 3, 4, 7, 16, 17, 40, 64, 65, 300]
+    read = [once(b) for b in asked]
+    monkeypatch.setattr(priors, "trace_batches", lambda *args, **kwargs: None)
+    per_batch = trace_prior(make(), allocator=allocator, device_type="cpu")
+    assert read == [per_batch(b) for b in asked]
+    assert sorted(per_batch.traced) == [2, 4, 16, 64] and not per_batch.once
+    # the conv net's CPU convolution takes another path from batch 16 on: its curve does not answer
+    # every batch the per-batch prior traces, so that prior leads, and the curve traced nothing alone
+    general = make is not cnn_workload
+    assert once.once is general and sorted(once.traced) == ([] if general else [2, 4, 16, 64])
+
+
+def test_a_trace_torch_pins_to_one_batch_stops_there_and_the_batches_are_traced_each_at_its_size():
+    from autobatch.estimating.estimate import _new_fake_mode, trace_batches, training_copy
+
+    class Contrastive(torch.nn.Module):  # labels from len(): a plain int, which pins the batch (CLIP's loss)
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
+
+        def forward(self, x):
+            logits = self.a(x) @ self.b(x).T
+            return torch.nn.functional.cross_entropy(logits, torch.arange(len(logits)))
+
+    work = Workload(Contrastive(), lambda b: torch.randn(b, 16), loss_fn=lambda m, x: m(x), name="contrastive")
+    mode = _new_fake_mode()
+    assert trace_batches(work, training_copy(work, mode), fake_mode=mode, cuda_autocast=False) is None
+    prior = trace_prior(work, device_type="cpu")
+    assert prior(100) > prior(10) > 0 and not prior.once and sorted(prior.traced) == [2, 4, 16, 64]
+    # the peak at batch b: the logits (b × b floats) and their softmax and gradient grow with its square
+    assert prior(200) - 2 * prior(100) + prior(1) > 0

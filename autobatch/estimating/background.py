@@ -36,7 +36,8 @@ Example:
     >>> work = autobatch.Workload(model, lambda b: (torch.randn(b, 32), torch.randint(0, 4, (b,))))
     >>> prior = beside(work, device_type="cpu")
     >>> result = autobatch.probe(work, autobatch.SimulatedBackend("1MiB"), prior=prior)
-    >>> sorted(result.trace_record) == ["failure", "from_trial", "led", "reason", "seconds", "traced_batches"]
+    >>> sorted(result.trace_record) == ["failure", "from_trial", "led", "reason", "seconds", "traced_batches",
+    ...                                  "traced_once"]
     True
 """
 
@@ -173,7 +174,8 @@ class TracedBeside:
     def report(self) -> dict[str, Any]:
         """The prior's report and ``from_trial``; a trace that never led says why (a failed one is
         said by :func:`~autobatch.probing.result.trace_record`, as for any prior)."""
-        said = self._prior.report() or {"traced_batches": [], "seconds": round(self._prior.seconds, 3), "failure": None}
+        said = self._prior.report() or {"traced_batches": [], "traced_once": False,
+                                          "seconds": round(self._prior.seconds, 3), "failure": None}
         return beside_report(said, self.from_trial, self.asked)
 
 

@@ -32,9 +32,11 @@ import torch
 from ..modelinfo import min_batch_for
 from ..probing.trial import Trial
 from ..probing.workload import Workload
-from .estimate import trace_trial, training_copy
+from .curve_prior import curve_prior
+from .estimate import trace_batches, trace_trial, training_copy
 from .fake_backends import _mode_of, _new_fake_mode
 from .replay import AllocationLog, SizeLaws, check_allocator, fit_log
+from .symbolic import BatchCurve
 
 __all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "GuardedPrior", "phase_peaks",
            "WARM_TRACES", "NOT_READY", "left_at_pace", "beside_report"]
@@ -91,7 +93,14 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
             return phase_peaks(trace_trial(workload, model, batch, fake_mode=mode, log=record,
                                            cuda_autocast=device_type == "cuda", primed=allocator == "exact"))
 
-    return replayed_prior(trace, first, allocator=allocator, name=workload.name)
+    def curve() -> BatchCurve | None:
+        with torch.random.fork_rng(devices=[]):
+            return trace_batches(workload, model, fake_mode=mode, cuda_autocast=device_type == "cuda",
+                                 primed=allocator == "exact", needs=tuple(grid))
+
+    grid = _grid(first)[:_FIT]  # the batches the per-batch prior traces: the curve must answer each
+    per_batch = replayed_prior(trace, first, allocator=allocator, name=workload.name)
+    return curve_prior(curve, per_batch, grid, allocator=allocator)
 
 
 def phase_peaks(trial: Trial) -> tuple[float, float]:
@@ -266,15 +275,21 @@ class GuardedPrior:
 
     @property
     def traced_batches(self) -> list[int]:
-        """The batches traced so far."""
+        """The batches traced each at its own size so far."""
         return sorted(getattr(self._prior, "traced", {}))
 
+    @property
+    def traced_once(self) -> bool:
+        """Whether one trace with the batch a symbol answers every batch (:mod:`.curve_prior`)."""
+        return bool(getattr(self._prior, "once", False))
+
     def report(self) -> dict[str, Any] | None:
-        """``{"traced_batches", "seconds", "failure"}``, or ``None`` when the search never asked."""
-        traced = self.traced_batches
-        if not traced and self.failure is None:
+        """``{"traced_batches", "traced_once", "seconds", "failure"}``, or ``None`` when the search never asked."""
+        traced, once = self.traced_batches, self.traced_once
+        if not traced and not once and self.failure is None:
             return None
-        return {"traced_batches": traced, "seconds": round(self.seconds, 3), "failure": self.failure}
+        return {"traced_batches": traced, "traced_once": once, "seconds": round(self.seconds, 3),
+                "failure": self.failure}
 
 
 def left_at_pace(spent: float, traced: int) -> float | None:

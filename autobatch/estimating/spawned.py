@@ -30,8 +30,8 @@ Example:
     >>> here = autobatch.trace_prior(work, allocator="exact", device_type="cpu")
     >>> prior(100) == here(100)  # the same prior, traced in the child
     True
-    >>> prior.stop(); prior.report()["traced_batches"]  # 2 where the smallest is 1, then powers of four
-    [2, 4, 16, 64]
+    >>> prior.stop(); prior.report()["traced_once"], prior.report()["traced_batches"]  # one symbolic trace
+    (True, [])
 """
 
 from __future__ import annotations
@@ -242,7 +242,8 @@ class SpawnedBeside:
         self.from_trial: int | None = None
         self.asked = False
         self.cancelled = False
-        self._said: dict[str, Any] = {"traced_batches": [], "seconds": 0.0, "failure": None}
+        self._said: dict[str, Any] = {"traced_batches": [], "traced_once": False, "seconds": 0.0,
+                                        "failure": None}
         self._cpu: dict[str, float] = {}  # the child's CPU seconds when it was built, and at its last traced batch
         self._ended: float | None = None
         self._done = False

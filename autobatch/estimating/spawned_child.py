@@ -24,7 +24,7 @@ __all__ = ["child"]
 
 
 def _said(prior: GuardedPrior, started: float) -> dict[str, Any]:
-    return {"traced_batches": prior.traced_batches, "seconds": round(time.perf_counter() - started, 3),
+    return {"traced_batches": prior.traced_batches, "traced_once": prior.traced_once, "seconds": round(time.perf_counter() - started, 3),
             "failure": prior.failure}
 
 

@@ -21,7 +21,8 @@ __all__ = ["BatchResult", "ProbeResult", "not_led", "trace_record"]
 
 def not_led(reason: str) -> dict[str, Any]:
     """The record of a search the fake-tensor trace did not lead, and why."""
-    return {"led": False, "reason": reason, "traced_batches": [], "seconds": 0.0, "failure": None}
+    return {"led": False, "reason": reason, "traced_batches": [], "traced_once": False, "seconds": 0.0,
+            "failure": None}
 
 
 def trace_record(said: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +122,9 @@ class BatchResult:
         """One line: how the fake-tensor trace led the search, or why it did not."""
         said = self.trace_record
         traced = ", ".join(str(b) for b in said.get("traced_batches", []))
-        cost = f"traced at batches {traced} in {said.get('seconds', 0):.1f} s" if traced else "traced nothing"
+        seconds = f"in {said.get('seconds', 0):.1f} s"
+        cost = (f"traced once for every batch {seconds}" if said.get("traced_once") else
+                f"traced at batches {traced} {seconds}" if traced else "traced nothing")
         if said["led"]:
             beside = said.get("from_trial")
             how = ("beside the trials at the lowest CPU priority" if "waited" in said

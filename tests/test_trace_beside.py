@@ -193,9 +193,31 @@ def test_a_trace_between_cheap_trials_never_runs_longer_than_they_took_and_says_
     assert record["reason"].startswith("the trials were cheaper than the trace: they ended the search in ")
     # It ran while the search lent it time, before each trial but the first: up to what the trials
     # had taken so far each time: the three trials before the last, 0.3 s in all (windows that
-    # forgot what was lent before would take 0.1 + 0.2 + 0.3 = 0.6 s). The slack is the trace's
-    # way to its next torch call and the thread's wake-up, three times.
+    # forgot what was lent before would take 0.1 + 0.2 + 0.3 = 0.6 s). Its pace unknown (no batch
+    # traced), it was also let run once as long again as it had, after the first trial: 0.1 s that
+    # the second window then did not add. The slack is the trace's way to its next torch call and
+    # the thread's wake-up, four times.
     assert 0 < prior.trials_seconds and prior.used <= prior.trials_seconds + 0.2
+
+
+def test_a_trace_whose_pace_is_unknown_is_let_run_once_as_long_again_and_leads_a_trial_sooner():
+    def trial(b: int) -> Trial:
+        time.sleep(0.2)
+        return oracle(b)
+
+    # One trace for every batch, about 0.3 s (150 torch calls 2 ms apart), nothing traced before it
+    # ends: lent the first trial's 0.2 s it is not done, so its pace is unknown; let run once as long
+    # again (0.2 s, less than the next trial), it ends, and leads from the first trial, as a prior
+    # ready at once does: 1, 128, 129 (it would lead from the second, 1, 25, 128, 129, without).
+    prior = background.TracedBetween(GuardedPrior(_Paced(150), "once"), [1])
+    outcome = search_max(trial, 1000, prior=prior)
+    record = prior_report(prior)["trace_prior"]
+    assert batches(outcome) == [1, 128, 129] and record["led"] and record["from_trial"] == 1, (batches(outcome), record)
+    assert prior.used <= 2 * 0.2 + 0.1  # twice the first trial at most, and the slack to a torch call
+    # an endless one is let run so once only: each later window only catches up with the trials
+    endless = background.TracedBetween(GuardedPrior(_Paced(10**6), "endless"), [1])
+    outcome = search_max(trial, 1000, prior=endless)
+    assert batches(outcome) == [1, 25, 128, 129] and endless.used <= endless.trials_seconds + 0.2 + 0.1
 
 
 class _Paced:

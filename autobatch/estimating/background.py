@@ -150,7 +150,8 @@ class TracedBeside:
         self._stop.set()
         self._thread.join()
 
-    def _spent(self) -> float:
+    def ran(self) -> float:
+        """The seconds the trace has run so far."""
         return time.perf_counter() - self._started
 
     def remaining(self) -> float | None:
@@ -158,7 +159,7 @@ class TracedBeside:
         in), or ``None`` before one batch is traced."""
         if self._done.is_set():
             return 0.0
-        return left_at_pace(self._spent(), len(self._prior.traced_batches))
+        return left_at_pace(self.ran(), len(self._prior.traced_batches))
 
     def finish_within(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the trace to end (the search does where the trial it would
@@ -207,7 +208,7 @@ class TracedBetween(TracedBeside):
         self.trials_seconds = trials_seconds
         self._run_for(trials_seconds - self.used)
 
-    def _spent(self) -> float:
+    def ran(self) -> float:
         return self.used
 
     def give_up(self, left: float, trial: float) -> None:

@@ -51,8 +51,8 @@ def stopped(prior: Any) -> Iterator[None]:
 
 class Pending:
     """A prior with ``ready()`` (and, where it runs only when lent time, ``lend(seconds)``; where it
-    can say how long it still needs, ``remaining()`` and ``finish_within(seconds)``), and the
-    seconds of the trials run while it was not ready."""
+    can say how long it still needs, ``remaining()`` and ``finish_within(seconds)``; how long it has run,
+    ``ran()``), and the seconds of the trials run while it was not ready."""
 
     def __init__(self, prior: Any):
         self.prior = prior
@@ -60,6 +60,7 @@ class Pending:
         self.walls: dict[int, float] = {}  # seconds of each trial that fit, by batch
         self.steps: dict[int, float] = {}  # and the seconds of its steady step, where it says
         self.gave_up = False  # the trace would cost more than it saves: not lent time or waited for again
+        self.unpaced = False  # it was let run once as long again as it had, its pace unknown (wait_before)
 
     def timed(self, run: Callable[[int], Trial], batch: int) -> Trial:
         """``run(batch)``, its seconds kept."""
@@ -105,7 +106,11 @@ class Pending:
         """Before a trial at ``batch``, lend a trace that runs where it is lent time (``lend``) as long
         as the trials have taken, then let it end first where it should sooner than that trial
         (:meth:`cost`); whether it can lead now. A trace that needs more than :data:`SAVES` such
-        trials (``remaining``) is given up (``give_up``), before it is lent more, and never waited for again."""
+        trials (``remaining``) is given up (``give_up``), before it is lent more, and never waited for again.
+        One whose pace is not known yet (no batch traced: the symbolic trace, :mod:`autobatch.estimating.curve_prior`,
+        answers every batch at once) is let run once as long again as it has (``ran``), never longer than that
+        trial: a trace between the trials then costs at most twice what they took, and a symbolic trace a
+        little longer than the first trial leads from the second (ViT-B/16 on the CPU)."""
         cost = self.cost(batch)
         if self._given_up(cost):
             return False
@@ -117,7 +122,13 @@ class Pending:
         if self._given_up(cost):
             return False
         left = getattr(self.prior, "remaining", lambda: None)()
-        return left is not None and cost is not None and left <= cost and self.prior.finish_within(cost)
+        if left is None:  # its pace unknown (the one trace for every batch still runs): once, as long again as it ran
+            ran = getattr(self.prior, "ran", lambda: None)()
+            if self.unpaced or not ran or cost is None:
+                return False
+            self.unpaced = True
+            return self.prior.finish_within(min(cost, ran))
+        return cost is not None and left <= cost and self.prior.finish_within(cost)
 
     def _given_up(self, cost: float | None) -> bool:
         """Whether the trace was given up, or is now: what it still needs at its pace passes :data:`SAVES`

@@ -184,7 +184,7 @@ def test_a_trace_between_cheap_trials_never_runs_longer_than_they_took_and_says_
         time.sleep(0.1)
         return oracle(b)
 
-    prior = background.TracedBetween(GuardedPrior(endless, "endless"), [1])
+    prior = background.TracedBetween(GuardedPrior(endless, "endless"), [1], least=0)
     outcome = search_max(slow_trial, 1000, prior=prior)
     assert batches(outcome) == [1, 25, 128, 129] and prior.cancelled
     assert no_trace_thread()
@@ -200,6 +200,44 @@ def test_a_trace_between_cheap_trials_never_runs_longer_than_they_took_and_says_
     assert 0 < prior.trials_seconds and prior.used <= prior.trials_seconds + 0.2
 
 
+def test_a_trace_between_is_not_begun_in_a_window_shorter_than_its_start_takes():
+    started = []
+
+    def trace(batch: int) -> float:
+        started.append(batch)  # an unpausable start (torch's lazy imports) would run here
+        return 100 + 7 * batch
+
+    def trial(b: int) -> Trial:
+        time.sleep(0.05)
+        return oracle(b)
+
+    # trials of 0.05 s lend it 0.05, 0.1 and 0.15 s, each short of FIRST_WINDOW: never begun, no thread
+    prior = background.TracedBetween(GuardedPrior(trace, "short"), [1])
+    outcome = search_max(trial, 1000, prior=prior)
+    assert batches(outcome) == [1, 25, 128, 129] and started == [] and prior.used == 0 and no_trace_thread()
+    record = prior_report(prior)["trace_prior"]
+    assert record["led"] is False and record["reason"].startswith("the trials were cheaper than the trace")
+    # trials of a second lend it a window as long as its start: begun after the first, it leads from there
+    slow = background.TracedBetween(GuardedPrior(trace, "begun"), [1])
+    outcome = search_max(lambda b: time.sleep(background.FIRST_WINDOW) or oracle(b), 1000, prior=slow)
+    assert started and batches(outcome) == [1, 128, 129] and prior_report(slow)["trace_prior"]["from_trial"] == 1
+
+
+class _Once:
+    """A trace of ``calls`` torch calls, 2 ms apart, for every batch at once (as the symbolic one): no
+    batch traced before it ends, each answered at once after."""
+
+    def __init__(self, calls: int):
+        self.calls, self.done = calls, False
+
+    def __call__(self, batch: int) -> float:
+        for _ in range(0 if self.done else self.calls):
+            torch.zeros(1)
+            time.sleep(0.002)
+        self.done = True
+        return 100 + 7 * batch
+
+
 def test_a_trace_whose_pace_is_unknown_is_let_run_once_as_long_again_and_leads_a_trial_sooner():
     def trial(b: int) -> Trial:
         time.sleep(0.2)
@@ -209,13 +247,13 @@ def test_a_trace_whose_pace_is_unknown_is_let_run_once_as_long_again_and_leads_a
     # ends: lent the first trial's 0.2 s it is not done, so its pace is unknown; let run once as long
     # again (0.2 s, less than the next trial), it ends, and leads from the first trial, as a prior
     # ready at once does: 1, 128, 129 (it would lead from the second, 1, 25, 128, 129, without).
-    prior = background.TracedBetween(GuardedPrior(_Paced(150), "once"), [1])
+    prior = background.TracedBetween(GuardedPrior(_Once(150), "once"), [1], least=0)
     outcome = search_max(trial, 1000, prior=prior)
     record = prior_report(prior)["trace_prior"]
     assert batches(outcome) == [1, 128, 129] and record["led"] and record["from_trial"] == 1, (batches(outcome), record)
     assert prior.used <= 2 * 0.2 + 0.1  # twice the first trial at most, and the slack to a torch call
     # an endless one is let run so once only: each later window only catches up with the trials
-    endless = background.TracedBetween(GuardedPrior(_Paced(10**6), "endless"), [1])
+    endless = background.TracedBetween(GuardedPrior(_Once(10**6), "endless"), [1], least=0)
     outcome = search_max(trial, 1000, prior=endless)
     assert batches(outcome) == [1, 25, 128, 129] and endless.used <= endless.trials_seconds + 0.2 + 0.1
 
@@ -243,7 +281,7 @@ def test_a_trace_between_that_would_cost_more_than_it_saves_is_given_up_once_its
     # About 0.12 s a traced batch, four to trace, against trials of 0.05 s: lent their time before
     # each trial, it has traced one batch before the fourth (at 129, next to the fit at 128); what it
     # still needs at its pace passes two such trials, so it is given up there, before that trial.
-    prior = background.TracedBetween(GuardedPrior(_Paced(60), "paced"), [2, 4, 16, 64])
+    prior = background.TracedBetween(GuardedPrior(_Paced(60), "paced"), [2, 4, 16, 64], least=0)
     outcome = search_max(trial, 1000, prior=prior)
     assert batches(outcome) == [1, 25, 128, 129] and prior.cancelled and no_trace_thread()
     record = prior_report(prior)["trace_prior"]
@@ -251,7 +289,7 @@ def test_a_trace_between_that_would_cost_more_than_it_saves_is_given_up_once_its
     assert record["reason"].startswith("the trace would have cost more than the trials it saves: "), record["reason"]
     assert "against about 0.05 s for the next trial" in record["reason"]
     # where the trials cost more than the traced batches, the same trace pays and leads
-    dear = background.TracedBetween(GuardedPrior(_Paced(60), "paced"), [2, 4, 16, 64])
+    dear = background.TracedBetween(GuardedPrior(_Paced(60), "paced"), [2, 4, 16, 64], least=0)
     led = search_max(lambda b: time.sleep(0.4) or oracle(b), 1000, prior=dear)
     assert prior_report(dear)["trace_prior"]["led"] is True and len(led.trials) < len(outcome.trials)
 
@@ -278,7 +316,7 @@ def test_the_trials_between_the_windows_of_a_trace_keep_their_random_numbers():
                 torch.zeros(1)  # where it pauses once its time is up
         return 1.0
 
-    prior = background.TracedBetween(GuardedPrior(forks, "forks"), [1])
+    prior = background.TracedBetween(GuardedPrior(forks, "forks"), [1], least=0)
     trials = torch.Generator().manual_seed(7)  # the draws the trials would make with no trace
     torch.manual_seed(7)
     lent = 0.0
@@ -323,7 +361,7 @@ def test_a_trace_between_the_trials_pauses_before_or_after_an_unpaused_section_n
         torch.zeros(1)  # where it may pause
         return 1.0
 
-    prior = background.TracedBetween(GuardedPrior(whole, "whole"), [1, 2])
+    prior = background.TracedBetween(GuardedPrior(whole, "whole"), [1, 2], least=0)
     try:
         prior.lend(0.001)  # far less than the section takes: it ends the section, then pauses
         assert len(steps) == 40 and not prior.ready()

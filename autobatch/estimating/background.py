@@ -59,7 +59,7 @@ from .spawned_between import SpawnedBetween
 from .prior import NOT_READY, GuardedPrior, beside_report, left_at_pace, try_trace_prior, warm_batches
 
 __all__ = ["TracedBeside", "TracedBetween", "beside", "between", "spawned_between", "traced_between", "unpaused",
-           "NOT_READY", "NOT_PAID", "NOT_WORTH"]
+           "NOT_READY", "NOT_PAID", "NOT_WORTH", "FIRST_WINDOW"]
 
 # A trace run between the trials for no longer than they took, and not done when they were.
 NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, before the trace, "
@@ -67,6 +67,13 @@ NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {t
 # A trace run between the trials given up once what it still needed passed what it could save.
 NOT_WORTH = ("the trace would have cost more than the trials it saves: {left:.2f} s more to trace at its pace, "
              "against about {trial:.2f} s for the next trial; given up after {used:.2f} s")
+
+
+# The shortest window a trace between the trials is begun in (seconds). Its start cannot be paused:
+# the symbolic trace's first symbol makes torch import what names a guard's source (torch.export and
+# aot_autograd: 0.39 s on this CPU), and a trace begun in a window of a tenth of a second ran 0.3 s
+# past it (tiny-gpt2's trials take 0.32 s in all: the trace took 0.65 s, and the search 0.9 s more).
+FIRST_WINDOW = 0.5
 
 
 class _Cancelled(BaseException):
@@ -188,11 +195,13 @@ class TracedBetween(TracedBeside):
     torch call. So it never costs more than the trials did: where they are cheap, it does not
     finish, and the search ends without it (``reason``: :data:`NOT_PAID`). Where what it still needs
     passes what it could save, the search gives it up (:meth:`give_up`; ``reason``: :data:`NOT_WORTH`).
+    It is not begun in a window shorter than ``least`` (:data:`FIRST_WINDOW`): its start cannot be paused.
     """
 
-    def __init__(self, prior: GuardedPrior, batches: Sequence[int], spent: float = 0.0):
+    def __init__(self, prior: GuardedPrior, batches: Sequence[int], spent: float = 0.0, least: float = FIRST_WINDOW):
         self._gate, self._paused = threading.Event(), threading.Event()
         self.used = spent  # seconds the trace has run (its fake copy included)
+        self.least = least  # the shortest window it is begun in (see FIRST_WINDOW)
         self.trials_seconds = 0.0
         self.not_worth: str | None = None  # why it was given up, if it was
         super().__init__(prior, batches)
@@ -229,6 +238,8 @@ class TracedBetween(TracedBeside):
         """
         if self._done.is_set() or (budget is not None and budget <= 0):
             return
+        if self._thread.ident is None and budget is not None and budget < self.least:
+            return  # its start cannot be paused: not begun in a shorter window than that start takes
         state = torch.get_rng_state()
         start = time.perf_counter()
         self._paused.clear()

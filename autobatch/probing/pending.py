@@ -30,9 +30,9 @@ from .trial import Trial
 
 __all__ = ["Pending", "stopped", "SAVES", "STEPS"]
 
-# The trials a trace that leads saves where it pays: trials alone took 1 to 4 more than trace-led ones
-# on the models of docs/benchmarks/wall_cpu.md, 2 in the middle (0 to 3, 1 in the middle, since they
-# read the forward's end; at 1, CLIP's and ViT's traces there still led, and cost more than they saved).
+# The trials a trace that leads saves where it pays: trials alone took 0 to 4 more than trace-led ones
+# on the models of docs/benchmarks/wall_cpu.md, 2 in the middle (CLIP 0, ViT 1, gpt2 3, BERT 4, since the
+# prior is read off one symbolic trace; at 1, CLIP's and ViT's traces still led before, and cost more than they saved).
 SAVES = 2
 # The fewest training steps a trial runs (a Workload's least and default), each of them grown with the batch.
 STEPS = 2

@@ -250,7 +250,8 @@ def test_a_trace_whose_pace_is_unknown_is_let_run_once_as_long_again_and_leads_a
     prior = background.TracedBetween(GuardedPrior(_Once(150), "once"), [1], least=0)
     outcome = search_max(trial, 1000, prior=prior)
     record = prior_report(prior)["trace_prior"]
-    assert batches(outcome) == [1, 128, 129] and record["led"] and record["from_trial"] == 1, (batches(outcome), record)
+    assert batches(outcome) == [1, 128, 129], record
+    assert record["led"] and record["from_trial"] == 1, record
     assert prior.used <= 2 * 0.2 + 0.1  # twice the first trial at most, and the slack to a torch call
     # an endless one is let run so once only: each later window only catches up with the trials
     endless = background.TracedBetween(GuardedPrior(_Once(10**6), "endless"), [1], least=0)

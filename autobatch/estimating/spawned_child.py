@@ -24,8 +24,8 @@ __all__ = ["child"]
 
 
 def _said(prior: GuardedPrior, started: float) -> dict[str, Any]:
-    return {"traced_batches": prior.traced_batches, "traced_once": prior.traced_once, "seconds": round(time.perf_counter() - started, 3),
-            "failure": prior.failure}
+    return {"traced_batches": prior.traced_batches, "traced_once": prior.traced_once,
+            "seconds": round(time.perf_counter() - started, 3), "failure": prior.failure}
 
 
 def child(started: float) -> None:

@@ -198,10 +198,10 @@ class TracedBetween(TracedBeside):
     It is not begun in a window shorter than ``least`` (:data:`FIRST_WINDOW`): its start cannot be paused.
     """
 
-    def __init__(self, prior: GuardedPrior, batches: Sequence[int], spent: float = 0.0, least: float = FIRST_WINDOW):
+    def __init__(self, prior: GuardedPrior, batches: Sequence[int], spent: float = 0.0, least: float | None = None):
         self._gate, self._paused = threading.Event(), threading.Event()
         self.used = spent  # seconds the trace has run (its fake copy included)
-        self.least = least  # the shortest window it is begun in (see FIRST_WINDOW)
+        self.least = FIRST_WINDOW if least is None else least  # the shortest window it is begun in
         self.trials_seconds = 0.0
         self.not_worth: str | None = None  # why it was given up, if it was
         super().__init__(prior, batches)

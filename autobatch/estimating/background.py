@@ -56,7 +56,8 @@ from ..probing.workload import Workload
 from . import spawned
 from .spawned import SpawnedBeside
 from .spawned_between import SpawnedBetween
-from .prior import NOT_READY, GuardedPrior, beside_report, left_at_pace, try_trace_prior, warm_batches
+from .prior import (NOT_READY, GuardedPrior, beside_report, left_at_pace, traced_nothing, try_trace_prior,
+                    warm_batches)
 
 __all__ = ["TracedBeside", "TracedBetween", "beside", "between", "spawned_between", "traced_between", "unpaused",
            "NOT_READY", "NOT_PAID", "NOT_WORTH", "FIRST_WINDOW"]
@@ -182,8 +183,7 @@ class TracedBeside:
     def report(self) -> dict[str, Any]:
         """The prior's report and ``from_trial``; a trace that never led says why (a failed one is
         said by :func:`~autobatch.probing.result.trace_record`, as for any prior)."""
-        said = self._prior.report() or {"traced_batches": [], "traced_once": False,
-                                          "seconds": round(self._prior.seconds, 3), "failure": None}
+        said = self._prior.report() or traced_nothing(round(self._prior.seconds, 3))
         return beside_report(said, self.from_trial, self.asked)
 
 

@@ -39,7 +39,7 @@ from .replay import AllocationLog, SizeLaws, check_allocator, fit_log
 from .symbolic import BatchCurve
 
 __all__ = ["trace_prior", "try_trace_prior", "replayed_prior", "guarded_prior", "GuardedPrior", "phase_peaks",
-           "WARM_TRACES", "NOT_READY", "left_at_pace", "beside_report"]
+           "WARM_TRACES", "NOT_READY", "left_at_pace", "beside_report", "traced_nothing"]
 
 _GRID = 4  # traced batches: the smallest, then 4, 16, …
 _FIT = 4    # traces the size laws are fitted through (three) and checked against (one, once the search goes past them)
@@ -290,6 +290,11 @@ class GuardedPrior:
             return None
         return {"traced_batches": traced, "traced_once": once, "seconds": round(self.seconds, 3),
                 "failure": self.failure}
+
+
+def traced_nothing(seconds: float = 0.0) -> dict[str, Any]:
+    """The report of a trace that has traced nothing yet, with the keys :meth:`GuardedPrior.report` has."""
+    return {"traced_batches": [], "traced_once": False, "seconds": seconds, "failure": None}
 
 
 def left_at_pace(spent: float, traced: int) -> float | None:

@@ -52,7 +52,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .prior import WARM_TRACES, beside_report
+from .prior import WARM_TRACES, beside_report, traced_nothing
 
 __all__ = ["SpawnedBeside", "SPAWNS", "DIED", "rebuildable", "named_workload", "recipe_of", "warmed"]
 
@@ -242,8 +242,7 @@ class SpawnedBeside:
         self.from_trial: int | None = None
         self.asked = False
         self.cancelled = False
-        self._said: dict[str, Any] = {"traced_batches": [], "traced_once": False, "seconds": 0.0,
-                                        "failure": None}
+        self._said: dict[str, Any] = traced_nothing()
         self._cpu: dict[str, float] = {}  # the child's CPU seconds when it was built, and at its last traced batch
         self._ended: float | None = None
         self._done = False

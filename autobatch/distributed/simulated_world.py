@@ -202,7 +202,8 @@ class _BookedCurve:
         return self.cache[batch]
 
     def report(self) -> dict[str, Any]:
-        return {"led": True, "reason": None, "traced_batches": self.batches, "traced_once": False, "seconds": self.seconds, "failure": None}
+        return {"led": True, "reason": None, "traced_batches": self.batches, "traced_once": False,
+                "seconds": self.seconds, "failure": None}
 
 
 def _booked_lead(run: Callable[[int], Trial], trials: Any, min_batch: int, max_batch: int | None, capacity: int,

@@ -41,7 +41,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .memory_curve import Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch, steep
+from .memory_curve import (Curve, bends_up, calibrate, chord_batch, crossing, curvature_bound, fit_line, predict_batch,
+                           steep)
 from .pending import Pending, stopped
 from .prior_steps import blur, step_below
 from .trials_alone import REACH, TrialsAlone
@@ -190,8 +191,9 @@ class _Search:
         return int(min(self.cap, max(2 * self.lo, REACH * int(bound)))) if math.isfinite(bound) else self.cap
 
     def safe(self, points: dict[int, int], base: int) -> float:
-        """A batch that fits on every curve through ``points`` (:func:`~autobatch.probing.memory_curve.curvature_bound`),
-        its pieces through the resident memory bounded by what the forward's end showed where it was measured
+        """A batch that fits on every curve through ``points``
+        (:func:`~autobatch.probing.memory_curve.curvature_bound`), its pieces through the resident memory
+        bounded by what the forward's end showed where it was measured
         (:func:`~autobatch.probing.memory_curve.steep`); a trial that fails at or below such a bound drops the
         forward's points read so far (:meth:`learn`), and the trials after it read their own."""
         bound = curvature_bound(points, base, self.capacity, steep(points, self.forward, base))

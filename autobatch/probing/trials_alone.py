@@ -35,7 +35,8 @@ Example:
     [1, 25, 128, 129]
     >>> flat = lambda b: Trial(b, max(700, 100 + 9 * b) <= 1000, max(700, 100 + 9 * b), max(700, 100 + 9 * b),
     ...                        resident_bytes=100, forward_bytes=100 + 9 * b)  # gradients' flat peak; activations
-    >>> [t.batch for t in search_max(flat, 1000).trials]  # without forward_bytes: 1, 2, 5, 17, 62, 230, 92, 101, 99, 100
+    >>> # without forward_bytes the trials are 1, 2, 5, 17, 62, 230, 92, 101, 99, 100
+    >>> [t.batch for t in search_max(flat, 1000).trials]
     [1, 5, 82, 100, 101]
 """
 

@@ -53,7 +53,8 @@ def _types(result: ProbeResult) -> str | None:
     for t in result.trials:
         if not (_is_int(t.batch, low=1) and isinstance(t.fits, bool) and _is_int(t.peak_bytes)
                 and _is_int(t.reserved_bytes) and _is_int(t.forward_backward_bytes) and _is_int(t.optimizer_bytes)
-                and _is_int(t.forward_bytes) and _is_bytes_or_none(t.resident_bytes) and _is_real_or_none(t.seconds_per_step)):
+                and _is_int(t.forward_bytes) and _is_bytes_or_none(t.resident_bytes)
+                and _is_real_or_none(t.seconds_per_step)):
             return f"trials hold a malformed trial ({t.batch!r})"
     return None
 

@@ -56,7 +56,9 @@ def test_the_allocator_model_in_the_prior_is_what_holds_the_staircase_to_the_goa
 # the activations that gradients setting a flat peak hide, and bounds the steep pieces a curve may have
 # right past the largest fit: two regimes went from 7 / 12 to 4 / 7, affine from 4 / 7 to 4 / 5, the
 # staircase from 4 / 10 to 4 / 8. Kinks stay above the goal: their points show the curve as it is, and
-# a line or quadratic through them overshoots a b·log b or a switch of slope (docs/search.md).
+# a line or quadratic through them overshoots a b·log b or a switch of slope (docs/search.md); reading the
+# new slope a short step past a switch, and a curve that bends throughout at its quadratic after a failure,
+# brought their tail from 12 to 10 trials and 1.64 to 1.51 failures (the full grid: p90 10 to 9).
 TRIALS_ALONE = {"affine": (4, 5), "staircase": (4, 8), "two regimes": (4, 7), "superlinear": (5, 6),
                 "b·log b, kinks": (6, 9)}
 
@@ -70,9 +72,14 @@ def test_trials_alone_hold_their_measured_median_and_p90(results, family):
         assert row["median trials"] <= (4 if family == "affine" else 5) and row["p90"] <= 8, (family, row)
 
 
+def test_kinks_from_their_trials_alone_take_at_most_ten_trials_and_few_failures(results):
+    row = results["search_max, trials only"]["b·log b, kinks"].row()
+    assert row["max"] <= 10 and row["mean OOM trials"] <= 1.55, row
+
+
 def test_two_regimes_without_the_forward_end_take_what_a_flat_peak_costs(results):
-    # A trial that does not measure the forward's end (a user's own training function): 7 / 11.4 trials on the
-    # two regimes against 4 / 7 with it.
+    # A trial that does not measure the forward's end (a user's own training function): 7 / 11 trials on the
+    # two regimes against 4 / 7 with it (7 / 11.4 before a failure tried the quadratic through three rising points).
     import benchmarks.curves as module
 
     blind = lambda curve: (lambda b, run=module.oracle(curve): replace(run(b), forward_bytes=0))  # noqa: E731
@@ -82,7 +89,7 @@ def test_two_regimes_without_the_forward_end_take_what_a_flat_peak_costs(results
             outcome = search_max(blind(curve), curve.capacity, min_batch=curve.min_batch)
             stats.add(outcome, true_max(curve), 0)
     row = stats.row()
-    assert stats.exact == stats.curves and (row["median trials"], row["p90"]) == (7, 11.4), row
+    assert stats.exact == stats.curves and (row["median trials"], row["p90"]) == (7, 11), row
 
 
 @pytest.mark.parametrize("family", FAMILIES)

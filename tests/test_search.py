@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -162,17 +163,57 @@ def test_the_forward_end_shows_the_activations_a_flat_gradient_peak_hides():
     assert len(blind.trials) == 15
 
 
-def test_a_peak_that_outgrows_three_times_the_forward_is_still_exact_and_costs_two_trials_more():
+def test_a_peak_that_outgrows_three_times_the_forward_is_still_exact_and_costs_a_trial_more():
     # The backward holds what the forward saved and the gradients of one op's output and input, so the bound
     # grants the steep piece three times the forward's growth; one that grows faster where the points do not
     # show it (a recompute hidden under the gradients' peak, where a real one grows the peak from the first
     # batches) fails at or below that bound, and the forward's points so far are dropped: two failures, then
-    # the bracket from the largest fit.
-    for recompute, answer, more in ((2, 50_000, -7), (4, 25_000, 2)):
+    # the bracket from the largest fit (15 trials; two more than without the forward's end before the
+    # quadratic through three rising points was tried after a failure, trials_alone.py).
+    for recompute, answer, more in ((2, 50_000, -7), (4, 25_000, 1)):
         seen = search_max(_flat_then_steep(recompute), 1_000_000_000)
         blind = search_max(_flat_then_steep(recompute, forward=False), 1_000_000_000)
         assert seen.max_batch == blind.max_batch == answer
         assert len(seen.trials) == len(blind.trials) + more, (recompute, [t.batch for t in seen.trials])
+
+
+def _measured(extra):
+    """Trials of a step whose peak is 10 MB resident plus ``extra(b)``, on a 1 GB card; the forward's end is read."""
+    def run(b: int) -> Trial:
+        peak = 10_000_000 + int(extra(b))
+        fits = peak <= 1_000_000_000
+        return Trial(b, fits, peak, peak, peak, 10_000_000, resident_bytes=10_000_000 if fits else None,
+                     forward_bytes=10_000_000 + int(extra(b) - extra(0)) if fits else 0)
+    return run
+
+
+def test_after_a_switch_of_slope_a_short_step_reads_the_new_slope_and_the_next_trial_is_the_answer():
+    # 10 kB a sample, 30 kB from 20,000 on (an algorithm's switch): the line through 10,060 and 30,160 mixes both
+    # slopes and overshot (49,315, out of memory, before); 1/32 of the batch past 30,160 reads the new one.
+    switch = lambda b: 100_000_000 + 10_000 * b + 20_000 * max(0, b - 20_000)  # noqa: E731
+    outcome = search_max(_measured(switch), 1_000_000_000)
+    assert [(t.batch, t.fits) for t in outcome.trials] == [
+        (1, True), (181, True), (10_060, True), (75_400, False), (30_160, True), (30_160 + 30_160 // 32, True),
+        (43_000, True), (43_001, False)]
+
+
+def test_after_a_failure_a_curve_bending_throughout_is_tried_at_its_quadratic_not_at_the_floor():
+    # b·log b (a sort's or an attention kernel's workspace): the line through the two largest points overshoots
+    # (40,119); the quadratic through the three largest crosses at 39,870, above the batch that fits on every
+    # curve (39,470, tried before, and 10 trials), and two trials later the bracket closes.
+    blogb = lambda b: 100_000_000 + 6_000 * b * math.log(1 + b / 1000)  # noqa: E731
+    outcome = search_max(_measured(blogb), 1_000_000_000)
+    assert outcome.max_batch == 39_955
+    assert [t.batch for t in outcome.trials] == [1, 7_866, 24_389, 36_836, 40_119, 39_870, 39_956, 39_955]
+
+
+def test_a_switch_is_told_from_a_curve_that_bends_throughout_and_from_rounding():
+    from autobatch.probing.trials_alone import switched
+
+    assert switched({1: 110, 8: 180, 20: 300, 40: 700})            # straight, then steeper
+    assert not switched({1: 110, 8: 180, 20: 320, 40: 800})        # steeper in every span
+    assert not switched({8: 180, 20: 300, 40: 700})                # three points: nothing says it was straight
+    assert not switched({1: 110, 8: 180, 1000: 10_100, 1010: 10_300})  # the last span is already short
 
 
 def test_a_peak_that_grows_faster_than_the_forward_where_measured_is_granted_that_ratio():

@@ -20,7 +20,12 @@ forward's points read so far (the trials after it read their own).
 
 A trial goes to the model's boundary, never below the batch that fits on every curve and never
 more than :data:`REACH` times past it (so a convex curve's chord, the square of the answer on a
-pure square, is never tried). After a failure the batch that fits on every curve is tried. The
+pure square, is never tried). After a failure the batch that fits on every curve is tried, or, where the
+three largest points rise and the quadratic through them crosses the capacity above that batch and below the
+failure, that crossing (the curve bent up past the line through the two largest: b·log b). Where the slope
+changed between the two largest points only (straight below them: an algorithm's switch, a kernel's
+workspace; :func:`switched`), their line mixes both slopes: a step of 1/32 of the batch past the largest fit
+reads the new one, and the trial after it aims there. The
 model was wrong low when a trial past its boundary fit, or when its boundary fit and it then puts
 the boundary further by as much as its last step, that trial within an eighth of the headroom of
 the capacity; twice running, it creeps (a staircase's flat stretch) and its step doubles, up to
@@ -47,13 +52,34 @@ from typing import Any
 
 from .memory_curve import crossing, fit_line, ladder
 
-__all__ = ["REACH", "TrialsAlone"]
+__all__ = ["REACH", "TrialsAlone", "switched"]
 
 REACH = 2.5    # how far past the batch that fits on every curve (its floor) one trial may go
 _SPACING = 64  # slopes are read over the last 1/64 of the batch
 _STALLS = 3  # trials that did not halve the bracket, running, before it is bisected
 _CREEP = 4     # a model creeps when it moves its boundary by at least a quarter of its last step
 _NEAR = 8      # ... from a trial within this share of the headroom of the capacity
+_SWITCH = 32   # after a change of slope, a step of 1/32 of the batch reads the new one
+_STRAIGHT, _STEEPER = 0.01, 0.05  # slopes that agree within 1 %; one 5 % steeper
+
+
+def switched(points: dict[int, int]) -> bool:
+    """Whether the slope changed between the two largest of ``points``, and only there: over the two
+    spans below them the slopes agree within :data:`_STRAIGHT`, over the last it is :data:`_STEEPER`
+    steeper (an algorithm's switch, a kernel's workspace from some batch on), and that span is wider
+    than a step of 1/:data:`_SWITCH` of the batch (else the line through it reads the new slope).
+
+    Example:
+        >>> switched({1: 110, 8: 180, 20: 300, 40: 700})  # 10 bytes a sample, then 20 past some batch
+        True
+        >>> switched({1: 110, 8: 180, 20: 320, 40: 800})  # steeper in every span: a curve that bends throughout
+        False
+    """
+    xs = sorted(points)[-4:]
+    if len(xs) < 4 or xs[3] - xs[2] <= xs[3] // _SWITCH:
+        return False
+    low, mid, top = ((points[b] - points[a]) / (b - a) for a, b in zip(xs, xs[1:]))
+    return mid > 0 and abs(mid - low) <= _STRAIGHT * mid and top > (1 + _STEEPER) * mid
 
 
 class TrialsAlone:
@@ -95,9 +121,22 @@ class TrialsAlone:
             self.stalls = self.creep = 0
             return s.clamp(s.bisect())
         if s.hi is not None and (failed or guess >= s.hi):
-            # Just contradicted: the batch that fits on every curve of the kinds memory makes.
+            # Just contradicted: the batch that fits on every curve of the kinds memory makes, or higher, where
+            # the quadratic through the three largest points crosses below the failure (past them the curve bent
+            # up more than the line through the two largest: b·log b; over a switch it is more curved than the
+            # curve, and aims low).
             self.creep = 0
-            return s.clamp(int(safe) if s.lo < safe < s.hi else s.bisect())
+            floor = int(safe) if s.lo < safe < s.hi else s.bisect()
+            xs = sorted(points)[-3:]
+            rising = len(xs) == 3 and points[xs[0]] < points[xs[1]] < points[xs[2]]  # not a flat peak's points
+            bent = ladder(points, s.resident, spacing=_SPACING) if rising else None
+            above = -1 if bent is None else crossing(bent, s.capacity, s.lo, s.cap)
+            return s.clamp(above if floor < above < s.hi else floor)
+        if s.hi is not None and not failed and switched(points) and s.lo + max(1, s.lo // _SWITCH) < min(guess, s.hi):
+            # The slope changed between the two largest points: their line mixes both slopes and overshoots.
+            # A step of 1/32 of the batch reads the slope past the switch; the trial after it aims there.
+            self.placed, self.step, self.beyond = None, 0, False
+            return s.clamp(s.lo + max(1, s.lo // _SWITCH))
         if math.isfinite(safe) and safe > guess:
             guess = int(safe)  # the model aims below a batch that fits on every curve: no need
         # The model was wrong low when a trial past its boundary fit, or when its boundary fit and it

@@ -69,7 +69,34 @@ def frozen_suite_heap():
         yield
 
 
+# Under -n (pytest-xdist balances test by test, --dist load), the tests of a module that shares a fixture built
+# once per module or class (ranks started for real, a sweep of estimates) run on one worker: split over two,
+# each worker built it (the launchers' eight ranks twice, a minute each), and two of them starting ranks at once
+# raced for one port. The others are balanced test by test as before: what --dist loadgroup does with groups.
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "load":  # the controller: schedule by group
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["group_shared_fixtures"] = True  # a worker parses the command line anew: tell it
+
+
+def _shares_a_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture built once per module or class (pytest's own fixture info)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) or {}
+    return any(str(getattr(d, "scope", "")) in ("module", "class") for group in defs.values() for d in group)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (a worker's own hook runs first otherwise)
 def pytest_collection_modifyitems(config, items):
+    if getattr(config, "workerinput", {}).get("group_shared_fixtures"):
+        config.option.loadgroup = True  # xdist names each grouped test's group after its id
+        for item in items:
+            if _shares_a_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

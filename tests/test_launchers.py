@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -135,8 +136,11 @@ def _free_port() -> int:
 
 
 def _slurm_job_with_free_port() -> str:
-    """A job id whose derived port (15000 + its last four digits) is free here."""
-    for job in range(4242, 10000, 97):
+    """A job id whose derived port (15000 + its last four digits) is free here, tried in a random order (another
+    pytest process looking at the same moment picks another)."""
+    jobs = list(range(4242, 10000, 97))
+    random.Random().shuffle(jobs)  # a generator of its own: the tests' global one is left as it was
+    for job in jobs:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", 15000 + job))

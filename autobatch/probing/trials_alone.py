@@ -132,11 +132,12 @@ class TrialsAlone:
             bent = ladder(points, s.resident, spacing=_SPACING) if rising else None
             above = -1 if bent is None else crossing(bent, s.capacity, s.lo, s.cap)
             return s.clamp(above if floor < above < s.hi else floor)
-        if s.hi is not None and not failed and switched(points) and s.lo + max(1, s.lo // _SWITCH) < min(guess, s.hi):
+        probe = s.lo + max(1, s.lo // _SWITCH)  # a step of 1/32 of the batch past the largest fit
+        if s.hi is not None and not failed and switched(points) and probe < min(guess, s.hi):
             # The slope changed between the two largest points: their line mixes both slopes and overshoots.
-            # A step of 1/32 of the batch reads the slope past the switch; the trial after it aims there.
+            # The step reads the slope past the switch; the trial after it aims there.
             self.placed, self.step, self.beyond = None, 0, False
-            return s.clamp(s.lo + max(1, s.lo // _SWITCH))
+            return s.clamp(probe)
         if math.isfinite(safe) and safe > guess:
             guess = int(safe)  # the model aims below a batch that fits on every curve: no need
         # The model was wrong low when a trial past its boundary fit, or when its boundary fit and it

@@ -259,6 +259,21 @@ def test_a_trace_whose_pace_is_unknown_is_let_run_once_as_long_again_and_leads_a
     assert batches(outcome) == [1, 25, 128, 129] and endless.used <= endless.trials_seconds + 0.2 + 0.1
 
 
+def test_a_trace_gone_batch_by_batch_is_not_let_run_as_long_again_before_its_pace_is_known():
+    def trial(b: int) -> Trial:
+        time.sleep(0.2)
+        return oracle(b)
+
+    # The same trace, but its one trace for every batch did not answer (a batch pinned in the loss: CLIP's)
+    # and it goes batch by batch, four traces still to come: not let run as long again as it has, only
+    # lent the trials' time, it does not lead the second trial.
+    once = _Once(150)
+    once.by_batch = True
+    prior = background.TracedBetween(GuardedPrior(once, "by batch"), [1], least=0)
+    outcome = search_max(trial, 1000, prior=prior)
+    assert batches(outcome)[:2] == [1, 25] and prior.used <= prior.trials_seconds + 0.1
+
+
 class _Paced:
     """A trace of ``calls`` torch calls a batch, 2 ms apart (it pauses at them, so its time is its
     own), that keeps what it traced."""

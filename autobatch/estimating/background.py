@@ -22,7 +22,7 @@ in all than the trials have taken so far (:meth:`TracedBetween.lend`). A trace t
 than the trials it would save (a tiny model's, whose steps take hundredths of a second) is given
 only the trials' own time, and the search ends without it; once it has traced a batch, it is given
 up where what it still needs passes what it could save
-(:data:`~autobatch.probing.pending.SAVES` trials); one that pays (a step of seconds) is
+(:data:`~autobatch.probing.pending.SAVES` trials, fewer the later it would lead); one that pays (a step of seconds) is
 ready after the first trial or two and leads from then on. A sharded probe's trace
 (:func:`autobatch.pipeline.sharded_trace_prior`) costs more (a wrapped fake copy, a second or more a
 batch) against trials that are mostly the wrapper's set-up: for a model built from its name it
@@ -168,6 +168,10 @@ class TracedBeside:
         if self._done.is_set():
             return 0.0
         return left_at_pace(self.ran(), len(self._prior.traced_batches))
+
+    def by_batch(self) -> bool:
+        """Whether the trace goes batch by batch (its one trace for every batch did not answer)."""
+        return self._prior.by_batch
 
     def finish_within(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the trace to end (the search does where the trial it would

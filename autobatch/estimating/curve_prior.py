@@ -41,7 +41,8 @@ def curve_prior(curve_of: Callable[[], BatchCurve | None], per_batch: Callable[[
 
     A batch below the curve's smallest (1, where size one broadcasts and torch guards it out) is read
     off its polynomials, as the per-batch prior reads the sizes it fitted from 2 up at 1. ``once`` is
-    whether the curve leads (the report's ``traced_once``); ``traced`` and ``first`` are ``per_batch``'s.
+    whether the curve leads (the report's ``traced_once``); ``by_batch``, whether it was traced and did not
+    answer, so that every batch is traced at its size; ``traced`` and ``first`` are ``per_batch``'s.
     """
     check_allocator(allocator)
     read: dict[str, Any] = {}
@@ -51,6 +52,7 @@ def curve_prior(curve_of: Callable[[], BatchCurve | None], per_batch: Callable[[
             curve = curve_of()
             read["curve"] = curve if curve is not None and all(curve.answers(b) for b in grid) else None
             prior.once = read["curve"] is not None  # type: ignore[attr-defined]
+            prior.by_batch = not prior.once  # type: ignore[attr-defined]
         curve: BatchCurve | None = read["curve"]
         batch = max(getattr(per_batch, "first", 1), batch)
         if curve is None or not curve.answers(max(batch, curve.smallest)):
@@ -59,7 +61,7 @@ def curve_prior(curve_of: Callable[[], BatchCurve | None], per_batch: Callable[[
             return float(curve.trial(batch).peak_bytes)
         return float(book(curve.requests(batch), _UNLIMITED).peak_reserved)
 
-    prior.once = False  # type: ignore[attr-defined]
+    prior.once = prior.by_batch = False  # type: ignore[attr-defined]
     prior.traced = getattr(per_batch, "traced", {})  # type: ignore[attr-defined]
     prior.first = getattr(per_batch, "first", 1)  # type: ignore[attr-defined]
     return prior

@@ -279,6 +279,11 @@ class GuardedPrior:
         return sorted(getattr(self._prior, "traced", {}))
 
     @property
+    def by_batch(self) -> bool:
+        """Whether the one trace for every batch did not answer, and each batch is traced at its size."""
+        return bool(getattr(self._prior, "by_batch", False))
+
+    @property
     def traced_once(self) -> bool:
         """Whether one trace with the batch a symbol answers every batch (:mod:`.curve_prior`)."""
         return bool(getattr(self._prior, "once", False))

@@ -3,6 +3,7 @@ is ready, never waits for it, and nothing it does outlives the probe."""
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import math
 import os
@@ -272,6 +273,44 @@ def test_a_trace_gone_batch_by_batch_is_not_let_run_as_long_again_before_its_pac
     prior = background.TracedBetween(GuardedPrior(once, "by batch"), [1], least=0)
     outcome = search_max(trial, 1000, prior=prior)
     assert batches(outcome)[:2] == [1, 25] and prior.used <= prior.trials_seconds + 0.1
+
+
+class _SlowStart:
+    """A trace whose one trace for every batch stops after ``start`` torch calls, then goes batch by batch,
+    ``calls`` torch calls a batch (2 ms apart), keeping what it traced: CLIP's, its batch pinned in its loss."""
+
+    by_batch = True
+
+    def __init__(self, start: int, calls: int):
+        self.start, self.calls, self.traced = start, calls, {}
+
+    def __call__(self, batch: int) -> float:
+        for _ in range(self.start if not self.traced else 0):
+            torch.zeros(1)
+            time.sleep(0.002)
+        for b in (2, 4, 16, 64):
+            if b not in self.traced:
+                for _ in range(self.calls):
+                    torch.zeros(1)
+                    time.sleep(0.002)
+                self.traced[b] = 100 + 7 * b
+        return 100 + 7 * batch
+
+
+def test_a_trace_lent_time_is_weighed_as_soon_as_its_first_batch_shows_its_pace():
+    def trial(b: int) -> Trial:
+        time.sleep(0.6)
+        return dataclasses.replace(oracle(b), seconds_per_step=0.25)
+
+    # 0.5 s before its first batch, 0.2 s a batch: lent the first trial's 0.6 s it has traced none; before
+    # the third trial it is lent up to 1.2 s, and its first batch, at about 0.75 s, shows over 2 s still to
+    # trace at that pace against about 1.2 s for the next trial (0.59 of two trials from the third:
+    # pending.LATER). It pauses there and is given up, not run to the window's end.
+    prior = background.TracedBetween(GuardedPrior(_SlowStart(250, 100), "slow start"), [1], least=0)
+    search_max(trial, 1000, prior=prior)
+    record = prior_report(prior)["trace_prior"]
+    assert record["traced_batches"] == [2] and record["reason"].startswith("the trace would have cost more"), record
+    assert prior.used < 1.0, prior.used  # the window would have run to 1.2 s
 
 
 class _Paced:

@@ -75,6 +75,7 @@ NOT_WORTH = ("the trace would have cost more than the trials it saves: {left:.2f
 # aot_autograd: 0.39 s on this CPU), and a trace begun in a window of a tenth of a second ran 0.3 s
 # past it (tiny-gpt2's trials take 0.32 s in all: the trace took 0.65 s, and the search 0.9 s more).
 FIRST_WINDOW = 0.5
+_LOOK = 0.05  # seconds between looks at whether a trace lent time has traced its first batch
 
 
 class _Cancelled(BaseException):
@@ -217,9 +218,12 @@ class TracedBetween(TracedBeside):
         pass  # the thread starts when it is first lent time: a prior never lent any leaves none behind
 
     def lend(self, trials_seconds: float) -> None:
-        """Let the trace run until it has taken ``trials_seconds`` in all, or is done."""
+        """Let the trace run until it has taken ``trials_seconds`` in all, or is done; one that had traced
+        no batch pauses as soon as it has traced one, its pace known, so that the search weighs it before
+        lending the rest (CLIP's first traced batch came 1.7 s before the end of such a window, and the
+        trace was given up at its end)."""
         self.trials_seconds = trials_seconds
-        self._run_for(trials_seconds - self.used)
+        self._run_for(trials_seconds - self.used, until_paced=not self._prior.traced_batches)
 
     def ran(self) -> float:
         return self.used
@@ -234,8 +238,9 @@ class TracedBetween(TracedBeside):
         self._run_for(seconds)
         return self.ready()
 
-    def _run_for(self, budget: float | None) -> None:
-        """Let the trace run for up to ``budget`` seconds (``None``: to its end), then pause it.
+    def _run_for(self, budget: float | None, until_paced: bool = False) -> None:
+        """Let the trace run for up to ``budget`` seconds (``None``: to its end), then pause it; with
+        ``until_paced``, sooner once it has traced a batch (looked at every :data:`_LOOK` seconds).
 
         The caller's random number generator is put back after the window: the trace's own
         ``fork_rng`` may close in it, putting back a state from before the trials in between.
@@ -251,7 +256,12 @@ class TracedBetween(TracedBeside):
         if self._thread.ident is None:
             self._thread.start()
         try:
-            self._done.wait(budget)
+            if not until_paced:
+                self._done.wait(budget)
+            while until_paced and not self._prior.traced_batches:
+                left = _LOOK if budget is None else min(_LOOK, start + budget - time.perf_counter())
+                if left <= 0 or self._done.wait(left):
+                    break
         finally:
             self._gate.clear()
             while not (self._done.is_set() or self._paused.wait(0.01)):

@@ -162,6 +162,11 @@ class Pending:
             lend(self.seconds)
             if self.prior.ready():
                 return True
+            if self._given_up(cost):
+                return False
+            lend(self.seconds)  # the rest, where it paused as its pace became known
+            if self.prior.ready():
+                return True
         if self._given_up(cost):
             return False
         left = getattr(self.prior, "remaining", lambda: None)()

@@ -217,13 +217,13 @@ class TracedBetween(TracedBeside):
     def _begin(self) -> None:
         pass  # the thread starts when it is first lent time: a prior never lent any leaves none behind
 
-    def lend(self, trials_seconds: float) -> None:
+    def lend(self, trials_seconds: float) -> bool:
         """Let the trace run until it has taken ``trials_seconds`` in all, or is done; one that had traced
         no batch pauses as soon as it has traced one, its pace known, so that the search weighs it before
-        lending the rest (CLIP's first traced batch came 1.7 s before the end of such a window, and the
-        trace was given up at its end)."""
+        lending the rest (CLIP's first traced batch came 1.3 s before the end of such a window, and the
+        trace was given up at its end). Whether it paused so, with time left to lend."""
         self.trials_seconds = trials_seconds
-        self._run_for(trials_seconds - self.used, until_paced=not self._prior.traced_batches)
+        return self._run_for(trials_seconds - self.used, until_paced=not self._prior.traced_batches)
 
     def ran(self) -> float:
         return self.used
@@ -238,27 +238,29 @@ class TracedBetween(TracedBeside):
         self._run_for(seconds)
         return self.ready()
 
-    def _run_for(self, budget: float | None, until_paced: bool = False) -> None:
+    def _run_for(self, budget: float | None, until_paced: bool = False) -> bool:
         """Let the trace run for up to ``budget`` seconds (``None``: to its end), then pause it; with
-        ``until_paced``, sooner once it has traced a batch (looked at every :data:`_LOOK` seconds).
+        ``until_paced``, sooner once it has traced a batch (looked at every :data:`_LOOK` seconds), and
+        say so (``True``).
 
         The caller's random number generator is put back after the window: the trace's own
         ``fork_rng`` may close in it, putting back a state from before the trials in between.
         """
         if self._done.is_set() or (budget is not None and budget <= 0):
-            return
+            return False
         if self._thread.ident is None and budget is not None and budget < self.least:
-            return  # its start cannot be paused: not begun in a shorter window than that start takes
+            return False  # its start cannot be paused: not begun in a shorter window than that start takes
         state = torch.get_rng_state()
         start = time.perf_counter()
         self._paused.clear()
         self._gate.set()
         if self._thread.ident is None:
             self._thread.start()
+        paced = False
         try:
             if not until_paced:
                 self._done.wait(budget)
-            while until_paced and not self._prior.traced_batches:
+            while until_paced and not (paced := bool(self._prior.traced_batches)):
                 left = _LOOK if budget is None else min(_LOOK, start + budget - time.perf_counter())
                 if left <= 0 or self._done.wait(left):
                     break
@@ -268,6 +270,7 @@ class TracedBetween(TracedBeside):
                 pass  # the trace stops at its next torch call
             self.used += time.perf_counter() - start
             torch.set_rng_state(state)
+        return paced and not self._done.is_set()
 
     def stop(self) -> None:
         self._stop.set()

@@ -59,7 +59,8 @@ def stopped(prior: Any) -> Iterator[None]:
 
 
 class Pending:
-    """A prior with ``ready()`` (and, where it runs only when lent time, ``lend(seconds)``; where it
+    """A prior with ``ready()`` (and, where it runs only when lent time, ``lend(seconds)``, true where it
+    paused as its pace became known, with time left to lend; where it
     can say how long it still needs, ``remaining()`` and ``finish_within(seconds)``; how long it has run,
     ``ran()``; whether it traces batch by batch, ``by_batch()``), and the seconds of the trials run while
     it was not ready."""
@@ -159,14 +160,13 @@ class Pending:
             return False
         lend = getattr(self.prior, "lend", None)
         if callable(lend):
-            lend(self.seconds)
+            paused = lend(self.seconds)  # True where it paused as its pace became known: weighed, then lent the rest
             if self.prior.ready():
                 return True
-            if self._given_up(cost):
-                return False
-            lend(self.seconds)  # the rest, where it paused as its pace became known
-            if self.prior.ready():
-                return True
+            if paused and not self._given_up(cost):
+                lend(self.seconds)
+                if self.prior.ready():
+                    return True
         if self._given_up(cost):
             return False
         left = getattr(self.prior, "remaining", lambda: None)()

@@ -224,6 +224,13 @@ def test_a_trace_between_is_not_begun_in_a_window_shorter_than_its_start_takes()
     assert started and batches(outcome) == [1, 128, 129] and prior_report(slow)["trace_prior"]["from_trial"] == 1
 
 
+def _calls(n: int) -> None:
+    """``n`` torch calls 2 ms apart: a trace's work, pausing (and stopping) at each call."""
+    for _ in range(n):
+        torch.zeros(1)
+        time.sleep(0.002)
+
+
 class _Once:
     """A trace of ``calls`` torch calls, 2 ms apart, for every batch at once (as the symbolic one): no
     batch traced before it ends, each answered at once after."""
@@ -232,9 +239,7 @@ class _Once:
         self.calls, self.done = calls, False
 
     def __call__(self, batch: int) -> float:
-        for _ in range(0 if self.done else self.calls):
-            torch.zeros(1)
-            time.sleep(0.002)
+        _calls(0 if self.done else self.calls)
         self.done = True
         return 100 + 7 * batch
 
@@ -285,14 +290,10 @@ class _SlowStart:
         self.start, self.calls, self.traced = start, calls, {}
 
     def __call__(self, batch: int) -> float:
-        for _ in range(self.start if not self.traced else 0):
-            torch.zeros(1)
-            time.sleep(0.002)
+        _calls(self.start if not self.traced else 0)
         for b in (2, 4, 16, 64):
             if b not in self.traced:
-                for _ in range(self.calls):
-                    torch.zeros(1)
-                    time.sleep(0.002)
+                _calls(self.calls)
                 self.traced[b] = 100 + 7 * b
         return 100 + 7 * batch
 
@@ -321,9 +322,7 @@ class _Paced:
         self.calls, self.traced = calls, {}
 
     def __call__(self, batch: int) -> float:
-        for _ in range(self.calls):
-            torch.zeros(1)
-            time.sleep(0.002)
+        _calls(self.calls)
         self.traced[batch] = 100 + 7 * batch
         return self.traced[batch]
 

@@ -265,32 +265,17 @@ def test_a_trace_whose_pace_is_unknown_is_let_run_once_as_long_again_and_leads_a
     assert batches(outcome) == [1, 25, 128, 129] and endless.used <= endless.trials_seconds + 0.2 + 0.1
 
 
-def test_a_trace_gone_batch_by_batch_is_not_let_run_as_long_again_before_its_pace_is_known():
-    def trial(b: int) -> Trial:
-        time.sleep(0.2)
-        return oracle(b)
-
-    # The same trace, but its one trace for every batch did not answer (a batch pinned in the loss: CLIP's)
-    # and it goes batch by batch, four traces still to come: not let run as long again as it has, only
-    # lent the trials' time, it does not lead the second trial.
-    once = _Once(150)
-    once.by_batch = True
-    prior = background.TracedBetween(GuardedPrior(once, "by batch"), [1], least=0)
-    outcome = search_max(trial, 1000, prior=prior)
-    assert batches(outcome)[:2] == [1, 25] and prior.used <= prior.trials_seconds + 0.1
-
-
 class _SlowStart:
-    """A trace whose one trace for every batch stops after ``start`` torch calls, then goes batch by batch,
-    ``calls`` torch calls a batch (2 ms apart), keeping what it traced: CLIP's, its batch pinned in its loss."""
-
-    by_batch = True
+    """A trace whose one trace for every batch stops after ``start`` torch calls, then goes batch by batch
+    (``by_batch``, as the curve prior says it once its one trace is done), ``calls`` torch calls a batch
+    (2 ms apart), keeping what it traced: CLIP's, its batch pinned in its loss."""
 
     def __init__(self, start: int, calls: int):
-        self.start, self.calls, self.traced = start, calls, {}
+        self.start, self.calls, self.traced, self.by_batch = start, calls, {}, False
 
     def __call__(self, batch: int) -> float:
-        _calls(self.start if not self.traced else 0)
+        _calls(self.start if not self.by_batch else 0)
+        self.by_batch = True
         for b in (2, 4, 16, 64):
             if b not in self.traced:
                 _calls(self.calls)
@@ -300,18 +285,37 @@ class _SlowStart:
 
 def test_a_trace_lent_time_is_weighed_as_soon_as_its_first_batch_shows_its_pace():
     def trial(b: int) -> Trial:
-        time.sleep(0.6)
-        return dataclasses.replace(oracle(b), seconds_per_step=0.25)
+        time.sleep(1.0)
+        return dataclasses.replace(oracle(b), seconds_per_step=0.001)
 
-    # 0.5 s before its first batch, 0.2 s a batch: lent the first trial's 0.6 s it has traced none; before
-    # the third trial it is lent up to 1.2 s, and its first batch, at about 0.75 s, shows over 2 s still to
-    # trace at that pace against about 1.2 s for the next trial (0.59 of two trials from the third:
-    # pending.LATER). It pauses there and is given up, not run to the window's end.
-    prior = background.TracedBetween(GuardedPrior(_SlowStart(250, 100), "slow start"), [1], least=0)
+    # Its one trace stops after about 0.09 s (40 torch calls 2 ms apart), so four traces at that pace look
+    # cheap (0.36 s); each takes 0.7 s (320 calls). Lent the first trial's 1.0 s, its first batch, at about
+    # 0.8 s, shows over 2.3 s still to trace at that pace against two trials of about 1.05 s (the next, at
+    # 25: its steps grown, not its set-up). It pauses there and is given up, not run to the window's end.
+    prior = background.TracedBetween(GuardedPrior(_SlowStart(40, 320), "slow start"), [1], least=0)
     search_max(trial, 1000, prior=prior)
     record = prior_report(prior)["trace_prior"]
     assert record["traced_batches"] == [2] and record["reason"].startswith("the trace would have cost more"), record
-    assert prior.used < 1.0, prior.used  # the window would have run to 1.2 s
+    assert prior.used < 1.0, prior.used  # the window would have run to 1.0 s
+
+
+def test_a_trace_gone_batch_by_batch_is_weighed_at_its_one_traces_seconds_a_batch_before_it_traces_one():
+    def trial(b: int) -> Trial:
+        time.sleep(0.6)
+        return dataclasses.replace(oracle(b), seconds_per_step=0.005)
+
+    # Its one trace for every batch stops after about 0.5 s (250 torch calls 2 ms apart) without answering, and
+    # each of the four traces at a batch to come takes as long (CLIP's, its batch pinned in its loss: 4.2 s,
+    # then 4.4 s a batch). Lent the first trial's 0.6 s, it pauses as it goes batch by batch: four traces at
+    # that pace, about 2 s, against two trials of about 0.85 s (the next, at 25: its steps grown, not its
+    # set-up). Given up there, with no batch traced, not run to the window's end (nor to its first batch,
+    # at about 1 s, and given up only then, as before).
+    prior = background.TracedBetween(GuardedPrior(_SlowStart(250, 250), "slow start"), [1], least=0)
+    outcome = search_max(trial, 1000, prior=prior)
+    record = prior_report(prior)["trace_prior"]
+    assert record["traced_batches"] == [] and record["reason"].startswith("the trace would have cost more"), record
+    assert prior.used < 0.6, prior.used
+    assert batches(outcome) == [1, 25, 128, 129] and no_trace_thread()
 
 
 class _Paced:

@@ -165,14 +165,14 @@ class TracedBeside:
 
     def remaining(self) -> float | None:
         """The seconds the trace still needs at its pace so far (its first, slowest, batch counted
-        in), or ``None`` before one batch is traced."""
+        in), or ``None`` before one batch is traced, unless it goes batch by batch (:func:`~.prior.left_at_pace`)."""
         if self._done.is_set():
             return 0.0
-        return left_at_pace(self.ran(), len(self._prior.traced_batches))
+        return left_at_pace(self.ran(), len(self._prior.traced_batches), self._prior.by_batch)
 
-    def by_batch(self) -> bool:
-        """Whether the trace goes batch by batch (its one trace for every batch did not answer)."""
-        return self._prior.by_batch
+    def paced(self) -> tuple[bool, bool]:
+        """What is known of its pace: whether it has traced a batch, and whether it goes batch by batch."""
+        return bool(self._prior.traced_batches), self._prior.by_batch
 
     def finish_within(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the trace to end (the search does where the trial it would
@@ -219,9 +219,10 @@ class TracedBetween(TracedBeside):
 
     def lend(self, trials_seconds: float) -> bool:
         """Let the trace run until it has taken ``trials_seconds`` in all, or is done; one that had traced
-        no batch pauses as soon as it has traced one, its pace known, so that the search weighs it before
-        lending the rest (CLIP's first traced batch came 1.3 s before the end of such a window, and the
-        trace was given up at its end). Whether it paused so, with time left to lend."""
+        no batch pauses as soon as more of its pace is known (:meth:`paced`: its one trace for every
+        batch did not answer, or it traced a batch), so that the search weighs it before lending the rest
+        (CLIP's first traced batch came 1.3 s before the end of such a window, and the trace was given up
+        at its end). Whether it paused so, with time left to lend."""
         self.trials_seconds = trials_seconds
         return self._run_for(trials_seconds - self.used, until_paced=not self._prior.traced_batches)
 
@@ -240,8 +241,8 @@ class TracedBetween(TracedBeside):
 
     def _run_for(self, budget: float | None, until_paced: bool = False) -> bool:
         """Let the trace run for up to ``budget`` seconds (``None``: to its end), then pause it; with
-        ``until_paced``, sooner once it has traced a batch (looked at every :data:`_LOOK` seconds), and
-        say so (``True``).
+        ``until_paced``, sooner once more of its pace is known (:meth:`paced`, looked at every :data:`_LOOK`
+        seconds), and say so (``True``).
 
         The caller's random number generator is put back after the window: the trace's own
         ``fork_rng`` may close in it, putting back a state from before the trials in between.
@@ -256,11 +257,11 @@ class TracedBetween(TracedBeside):
         self._gate.set()
         if self._thread.ident is None:
             self._thread.start()
-        paced = False
+        paced, known = False, self.paced()
         try:
             if not until_paced:
                 self._done.wait(budget)
-            while until_paced and not (paced := bool(self._prior.traced_batches)):
+            while until_paced and not (paced := self.paced() != known):
                 left = _LOOK if budget is None else min(_LOOK, start + budget - time.perf_counter())
                 if left <= 0 or self._done.wait(left):
                     break

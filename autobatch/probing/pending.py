@@ -62,7 +62,7 @@ class Pending:
     """A prior with ``ready()`` (and, where it runs only when lent time, ``lend(seconds)``, true where it
     paused as its pace became known, with time left to lend; where it
     can say how long it still needs, ``remaining()`` and ``finish_within(seconds)``; how long it has run,
-    ``ran()``; whether it traces batch by batch, ``by_batch()``), and the seconds of the trials run while
+    ``ran()``), and the seconds of the trials run while
     it was not ready."""
 
     def __init__(self, prior: Any):
@@ -152,9 +152,10 @@ class Pending:
         One whose pace is not known yet (no batch traced: the symbolic trace, :mod:`autobatch.estimating.curve_prior`,
         answers every batch at once) is let run once as long again as it has (``ran``), never longer than that
         trial: a trace between the trials then costs at most twice what they took, and a symbolic trace a
-        little longer than the first trial leads from the second (ViT-B/16 on the CPU). Not one whose symbolic
-        trace did not answer (``by_batch``): its four traces each at its batch are still to come (CLIP's, its
-        batch pinned in its loss, was let run 5.2 s more before its second trial, and traced one)."""
+        little longer than the first trial leads from the second (ViT-B/16 on the CPU). One whose symbolic
+        trace stopped without answering has four traces each at its batch still to come, weighed at what
+        that trace took (``remaining``; :func:`~autobatch.estimating.prior.left_at_pace`): CLIP's, its batch
+        pinned in its loss, was lent 8.2 s and traced one before it was given up; now 4.6 s."""
         cost = self.cost(batch)
         if self._given_up(cost):
             return False
@@ -163,8 +164,8 @@ class Pending:
             paused = lend(self.seconds)  # True where it paused as its pace became known: weighed, then lent the rest
             if self.prior.ready():
                 return True
-            if paused and not self._given_up(cost):
-                lend(self.seconds)
+            while paused and not self._given_up(cost):  # twice at most: gone batch by batch, then a batch traced
+                paused = lend(self.seconds)
                 if self.prior.ready():
                     return True
         if self._given_up(cost):
@@ -172,7 +173,7 @@ class Pending:
         left = getattr(self.prior, "remaining", lambda: None)()
         if left is None:  # its pace unknown (the one trace for every batch still runs): once, as long again as it ran
             ran = getattr(self.prior, "ran", lambda: None)()
-            if self.unpaced or not ran or cost is None or getattr(self.prior, "by_batch", lambda: False)():
+            if self.unpaced or not ran or cost is None:
                 return False
             self.unpaced = True
             return self.prior.finish_within(min(cost, ran))

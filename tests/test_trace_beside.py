@@ -192,6 +192,7 @@ def test_a_trace_between_cheap_trials_never_runs_longer_than_they_took_and_says_
     record = prior_report(prior)["trace_prior"]
     assert record["led"] is False and record["between"] is True
     assert record["reason"].startswith("the trials were cheaper than the trace: they ended the search in ")
+    assert "run between them for as long" in record["reason"], record  # begun, unlike a trace never lent a window
     # It ran while the search lent it time, before each trial but the first: up to what the trials
     # had taken so far each time: the three trials before the last, 0.3 s in all (windows that
     # forgot what was lent before would take 0.1 + 0.2 + 0.3 = 0.6 s). Its pace unknown (no batch
@@ -218,6 +219,7 @@ def test_a_trace_between_is_not_begun_in_a_window_shorter_than_its_start_takes()
     assert batches(outcome) == [1, 25, 128, 129] and started == [] and prior.used == 0 and no_trace_thread()
     record = prior_report(prior)["trace_prior"]
     assert record["led"] is False and record["reason"].startswith("the trials were cheaper than the trace")
+    assert "the trace was not begun" in record["reason"] and "run between them" not in record["reason"], record
     # trials of a second lend it a window as long as its start: begun after the first, it leads from there
     slow = background.TracedBetween(GuardedPrior(trace, "begun"), [1])
     outcome = search_max(lambda b: time.sleep(background.FIRST_WINDOW) or oracle(b), 1000, prior=slow)

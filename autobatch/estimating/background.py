@@ -60,11 +60,14 @@ from .prior import (NOT_READY, GuardedPrior, beside_report, left_at_pace, traced
                     warm_batches)
 
 __all__ = ["TracedBeside", "TracedBetween", "beside", "between", "spawned_between", "traced_between", "unpaused",
-           "NOT_READY", "NOT_PAID", "NOT_WORTH", "FIRST_WINDOW"]
+           "NOT_READY", "NOT_PAID", "NOT_BEGUN", "NOT_WORTH", "FIRST_WINDOW"]
 
 # A trace run between the trials for no longer than they took, and not done when they were.
 NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, before the trace, "
             "run between them for as long, was done")
+# A trace between the trials never begun: each window the trials lent was shorter than its start takes.
+NOT_BEGUN = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, and the trace was not "
+             "begun, none of the windows they lent it as long as the {least:.2f} s its start takes")
 # A trace run between the trials given up once what it still needed passed what it could save.
 NOT_WORTH = ("the trace would have cost more than the trials it saves: {left:.2f} s more to trace at its pace, "
              "against about {trial:.2f} s for the next trial; given up after {used:.2f} s")
@@ -200,7 +203,8 @@ class TracedBetween(TracedBeside):
     torch call. So it never costs more than the trials did: where they are cheap, it does not
     finish, and the search ends without it (``reason``: :data:`NOT_PAID`). Where what it still needs
     passes what it could save, the search gives it up (:meth:`give_up`; ``reason``: :data:`NOT_WORTH`).
-    It is not begun in a window shorter than ``least`` (:data:`FIRST_WINDOW`): its start cannot be paused.
+    It is not begun in a window shorter than ``least`` (:data:`FIRST_WINDOW`): its start cannot be paused
+    (``reason``: :data:`NOT_BEGUN`, where the search ended so).
     """
 
     def __init__(self, prior: GuardedPrior, batches: Sequence[int], spent: float = 0.0, least: float | None = None):
@@ -289,7 +293,9 @@ class TracedBetween(TracedBeside):
         said = super().report()
         said = {**said, "seconds": round(self.used, 3), "between": True}
         if said.get("reason") == NOT_READY:
-            said["reason"] = self.not_worth or NOT_PAID.format(trials=self.trials_seconds)
+            begun = self._thread.ident is not None
+            said["reason"] = self.not_worth or (NOT_PAID if begun else NOT_BEGUN).format(
+                trials=self.trials_seconds, least=self.least)
         return said
 
 

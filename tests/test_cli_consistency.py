@@ -120,6 +120,19 @@ def test_model_help_and_docs_say_that_own_code_runs():
     assert "imports and runs" in usage
 
 
+def test_estimate_help_names_every_memory_term_real_runs_have():
+    # Each term of the estimate a real run has, with the option that sets it (tried as a new user would: FSDP's
+    # mixed precision and hf:'s task heads were said in the docs only).
+    helps = {opt: p.help or "" for p in commands()["estimate"].params for opt in p.opts}
+    assert "CUDA context" in helps["--cuda-context"]
+    assert "accumulation" in helps["--grads-held"] and "zero_grad(set_to_none=False)" in helps["--grads-held"]
+    assert "bf16-true" in helps["--dtype"] and "under FSDP also its mixed precision" in helps["--dtype"]
+    assert "adamw8bit" in helps["--optimizer"] and "uint8" in helps["--optimizer"]
+    assert "eager" in helps["--attention"] and "sdpa" in helps["--attention"]
+    assert all(head in helps["--model"] for head in ("architectures", "sequence or token classification",
+                                                     "image classification", "seq2seq"))
+
+
 # --- 16: one option name per concept ----------------------------------------------------------
 
 

@@ -56,6 +56,8 @@ _OUT = "Output"
 ModelSpec = Annotated[str, typer.Option(
     "--model", rich_help_panel=_MODEL,
     help="A built-in name (`autobatch models`), hf:NAME_OR_DIR, or your own file.py:fn or package.module:fn. "
+         "hf: trains with the head its config's architectures names (sequence or token classification, image "
+         "classification, seq2seq conditional generation), else as a causal LM (else masked). "
          "file.py:fn and module:fn import and run that code (as `python file.py` would): pass only code you trust.",
 )]
 SeqLen = Annotated[int | None, typer.Option(
@@ -92,9 +94,10 @@ Attention = Annotated[str | None, typer.Option(
 )]
 Dtype = Annotated[str, typer.Option(
     "--dtype", rich_help_panel=_MODEL,
-    help="fp32; bf16 or fp16 (autocast, fp32 weights; under ZeRO, DeepSpeed's engine: weights in that dtype beside "
-         "fp32 master shards, no autocast); bf16-true or fp16-true (the weights, their gradients and "
-         "the optimizer's state in that dtype, as Lightning's bf16-true and torchtune train; not with ZeRO).",
+    help="fp32; bf16 or fp16 (autocast, fp32 weights; under FSDP also its mixed precision: parameters gathered and "
+         "gradients reduced in that dtype, as accelerate and Lightning set it; under ZeRO, DeepSpeed's engine: weights "
+         "in that dtype beside fp32 master shards, no autocast); bf16-true or fp16-true (the weights, their gradients "
+         "and the optimizer's state in that dtype, as Lightning's bf16-true and torchtune train; not with ZeRO).",
 )]
 OptimizerName = Annotated[str, typer.Option(
     "--optimizer", rich_help_panel=_MODEL,

@@ -210,3 +210,20 @@ def test_a_trial_that_ran_out_of_memory_in_backward_leaves_nothing_behind():
     assert not run_trial(work, model, backend, 300).fits
     assert backend.allocated_bytes() == baseline
     assert run_trial(work, model, backend, 230).fits
+
+
+def test_memory_that_grows_faster_than_the_batch_is_said_by_its_slope_not_a_negative_fixed_part():
+    # A contrastive loss's batch × batch logits: the line through the trials nearest the boundary crosses zero
+    # at a positive batch, and "memory ≈ -312 KiB + 6.11 KiB per sample" was printed (tried as a new user would).
+    def loss_fn(model, batch):
+        logits = model(batch["a"]) @ model(batch["b"]).t()
+        return torch.nn.functional.cross_entropy(logits, torch.arange(len(logits)))
+
+    work = Workload(lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)),
+                    lambda b: {"a": torch.randn(b, 16), "b": torch.randn(b, 16)}, loss_fn=loss_fn, name="contrastive")
+    result = probe(work, SimulatedBackend("2MiB"))
+    assert result.fixed_bytes < 0 < result.bytes_per_sample  # the line's own figures, kept in --json
+    line = result.memory_line()
+    assert line.startswith("memory grows faster than the batch: ≈ ") and f"near batch {result.max_batch}" in line
+    assert "-" not in line and line in str(result)
+    assert probe(mlp_workload(), SimulatedBackend("2MiB")).memory_line().startswith("memory ≈ ")  # affine: as before

@@ -139,9 +139,15 @@ class BatchResult:
         return f"the trials alone searched: {said['reason']}"
 
     def memory_line(self) -> str | None:
+        """The line through the trials nearest the boundary, as fixed bytes and bytes per sample; where it
+        crosses zero at a positive batch (memory grows faster than the batch: a contrastive loss's batch ×
+        batch logits), the slope alone, since no fixed part reads off that line."""
         if not self.bytes_per_sample:
             return None
-        return f"memory ≈ {format_bytes(self.fixed_bytes)} + {format_bytes(self.bytes_per_sample)} per sample"
+        per_sample = f"{format_bytes(self.bytes_per_sample)} per sample"
+        if self.fixed_bytes is not None and self.fixed_bytes < 0:
+            return f"memory grows faster than the batch: ≈ {per_sample} near batch {self.max_batch}"
+        return f"memory ≈ {format_bytes(self.fixed_bytes)} + {per_sample}"
 
 
 @dataclass(frozen=True, kw_only=True)

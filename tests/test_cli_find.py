@@ -252,7 +252,7 @@ def _launched_doc_line(marker: str) -> str:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert proc.stderr.count("probed again with them held") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("answered again with them held") == 1, proc.stderr[-3000:]
     assert out.count("plan: ") == 1 and out.count("smallest device of the ranks: ") == 1  # rank 0 alone prints
     # the ranks' summary once, not again as one device's
     assert out.count("max batch ") == 1 and out.count("safe batch ") == 1, out

@@ -84,7 +84,7 @@ def test_a_plan_that_accumulates_is_probed_with_the_gradients_held_and_trains_on
     notes: list[str] = []
     report = autobatch.answer(request, on_note=notes.append)
     plan = report.plan
-    assert report.request.grads_held and any("probed again with them held" in n for n in notes)
+    assert report.request.grads_held and any("answered again with them held" in n for n in notes)
     # the note names the plan the first trials gave, not the final one as if it were (it said "accumulates 3"
     # where the plan printed below it accumulated 4)
     assert any("(677 per GPU × 2 accumulation)" in n for n in notes), notes
@@ -96,6 +96,19 @@ def test_a_plan_that_accumulates_is_probed_with_the_gradients_held_and_trains_on
     # one micro-step a step holds nothing into a next forward: answered once, as it was
     whole = autobatch.answer(autobatch.Request(model="tiny-mlp", device="cpu", memory=budget, target=600, headroom=0))
     assert whole.plan.grad_accum == 1 and not whole.request.grads_held
+
+
+def test_a_cached_answer_with_the_gradients_held_is_not_said_to_be_probed_again() -> None:
+    # Run twice, find's second answer came from the cache ("nothing ran now") while its note said the plan was
+    # "probed again with them held" (tried as a new user would).
+    request = autobatch.Request(model="tiny-mlp", device="cpu", memory=4 * 1024**2, target=1354, headroom=0,
+                                cache=True)
+    for run in range(2):
+        notes: list[str] = []
+        report = autobatch.answer(request, on_note=notes.append)
+        assert report.cached == (run == 1) and report.request.grads_held, run
+        assert any("answered again with them held (--grads-held)" in n for n in notes), notes
+        assert not any("probed again" in n for n in notes), notes
 
 
 def test_the_probe_again_with_the_gradients_held_says_no_note_twice() -> None:

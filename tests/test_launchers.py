@@ -222,7 +222,7 @@ def test_a_plan_that_accumulates_is_probed_again_with_the_gradients_held_by_ever
     ranks = launched[name]
     for rank in ranks:
         assert rank["grad_accum"] == 2 and rank["grads_held"], rank
-        assert sum("probed again with them held" in n for n in rank["notes"]) == 1, rank
+        assert sum("answered again with them held" in n for n in rank["notes"]) == 1, rank
     assert ranks[0]["max_batch"] == ranks[1]["max_batch"]  # the held probe agreed too
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 __all__ = ["held_again", "HELD_NOTE"]
 
+# "answered", not "probed": the answer with them held may come from the cache, where nothing runs.
 HELD_NOTE = ("the plan the first trials gave ({micro} per GPU × {accum} accumulation) accumulates, and each micro-step "
-             "after the first runs its forward with the gradients still allocated: probed again with them held "
+             "after the first runs its forward with the gradients still allocated: answered again with them held "
              "(--grads-held), so the micro batch fits as it will train")
 
 

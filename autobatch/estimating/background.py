@@ -66,8 +66,8 @@ __all__ = ["TracedBeside", "TracedBetween", "beside", "between", "spawned_betwee
 NOT_PAID = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, before the trace, "
             "run between them for as long, was done")
 # A trace between the trials never begun: each window the trials lent was shorter than its start takes.
-NOT_BEGUN = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s, and the trace was not "
-             "begun, none of the windows they lent it as long as the {least:.2f} s its start takes")
+NOT_BEGUN = ("the trials were cheaper than the trace: they ended the search in {trials:.2f} s; the trace was not "
+             "begun, since no window they lent it was as long as the {least:.2f} s its start takes")
 # A trace run between the trials given up once what it still needed passed what it could save.
 NOT_WORTH = ("the trace would have cost more than the trials it saves: {left:.2f} s more to trace at its pace, "
              "against about {trial:.2f} s for the next trial; given up after {used:.2f} s")

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 import autobatch
 from autobatch import SimulatedBackend, Workload
 from autobatch.cli import app
-from autobatch.estimating.prior import trace_prior, try_trace_prior
+from autobatch.estimating.estimate import estimate
+from autobatch.estimating.prior import GuardedPrior, trace_prior, try_trace_prior
 from autobatch.pipeline import TURNED_OFF, find_plan
 from autobatch.probing.search import NoTrace, search_max
 from autobatch.probing.trial import Trial
@@ -274,8 +275,24 @@ def test_a_trace_torch_pins_to_one_batch_stops_there_and_the_batches_are_traced_
 
     work = Workload(Contrastive(), lambda b: torch.randn(b, 16), loss_fn=lambda m, x: m(x), name="contrastive")
     mode = _new_fake_mode()
-    assert trace_batches(work, training_copy(work, mode), fake_mode=mode, cuda_autocast=False) is None
+    why: list[str] = []
+    assert trace_batches(work, training_copy(work, mode), fake_mode=mode, cuda_autocast=False, why=why.append) is None
+    # why, and where: the line of the model that read len() (not the unwinding's zero_grad, as it once said)
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "torch.arange(len(logits))" in text)
+    assert why == [f"torch pinned the batch to 8 at {__file__}:{line} in forward, where len() or int() read a "
+                   "batch-sized dimension"], why
     prior = trace_prior(work, device_type="cpu")
     assert prior(100) > prior(10) > 0 and not prior.once and sorted(prior.traced) == [2, 4, 16, 64]
     # the peak at batch b: the logits (b × b floats) and their softmax and gradient grow with its square
     assert prior(200) - 2 * prior(100) + prior(1) > 0
+    # said in the search's record of the trace (find's --json trace_prior and its line) and in an estimate's report
+    guarded = GuardedPrior(trace_prior(work, device_type="cpu"), "contrastive")
+    guarded(16)
+    said = guarded.report()
+    assert said["not_traced_once"] == why[0]
+    probed = autobatch.probe(mlp_workload(), SimulatedBackend("2MiB"))
+    line = type(probed)(**{**probed.__dict__, "extra": {"trace_prior": said}}).trace_line()
+    assert line.endswith(f"; its one trace for every batch stopped: {why[0]}"), line
+    result = estimate(work, gpu_memory="700MiB")
+    assert result.extra["not_traced_once"] == why[0] and result.extra["traced_once_for"] == []
+    assert f"since the one trace with the batch a symbol stopped: {why[0]}" in str(result)

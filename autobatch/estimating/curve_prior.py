@@ -42,7 +42,8 @@ def curve_prior(curve_of: Callable[[], BatchCurve | None], per_batch: Callable[[
     A batch below the curve's smallest (1, where size one broadcasts and torch guards it out) is read
     off its polynomials, as the per-batch prior reads the sizes it fitted from 2 up at 1. ``once`` is
     whether the curve leads (the report's ``traced_once``); ``by_batch``, whether it was traced and did not
-    answer, so that every batch is traced at its size; ``traced`` and ``first`` are ``per_batch``'s.
+    answer, so that every batch is traced at its size, and ``not_once`` why, where ``curve_of.why`` holds a
+    reason (:func:`~.estimate.trace_batches`); ``traced`` and ``first`` are ``per_batch``'s.
     """
     check_allocator(allocator)
     read: dict[str, Any] = {}
@@ -53,6 +54,8 @@ def curve_prior(curve_of: Callable[[], BatchCurve | None], per_batch: Callable[[
             read["curve"] = curve if curve is not None and all(curve.answers(b) for b in grid) else None
             prior.once = read["curve"] is not None  # type: ignore[attr-defined]
             prior.by_batch = not prior.once  # type: ignore[attr-defined]
+            why = getattr(curve_of, "why", None)  # the reason it gave, where it did not answer
+            prior.not_once = why[0] if why and not prior.once else None  # type: ignore[attr-defined]
         curve: BatchCurve | None = read["curve"]
         batch = max(getattr(per_batch, "first", 1), batch)
         if curve is None or not curve.answers(max(batch, curve.smallest)):
@@ -62,6 +65,7 @@ def curve_prior(curve_of: Callable[[], BatchCurve | None], per_batch: Callable[[
         return float(book(curve.requests(batch), _UNLIMITED).peak_reserved)
 
     prior.once = prior.by_batch = False  # type: ignore[attr-defined]
+    prior.not_once = None  # type: ignore[attr-defined]
     prior.traced = getattr(per_batch, "traced", {})  # type: ignore[attr-defined]
     prior.first = getattr(per_batch, "first", 1)  # type: ignore[attr-defined]
     return prior

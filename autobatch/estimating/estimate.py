@@ -89,8 +89,9 @@ class Estimate(BatchResult):
                 f"{self.memory_line()} "
                 f"({booking_text(self.overheads)}, workspaces {format_bytes(self.overheads.workspace_bytes)})"
             )
-        once = self.extra.get("traced_once_for") or []
-        read = f" ({', '.join(map(str, once))} read off one trace with the batch a symbol)" if once else ""
+        once, why = self.extra.get("traced_once_for") or [], self.extra.get("not_traced_once")
+        read = (f" ({', '.join(map(str, once))} read off one trace with the batch a symbol)" if once else
+                f"; each batch at its size, since the one trace with the batch a symbol stopped: {why}" if why else "")
         lines.append(f"traced in {self.seconds:.1f} s{read}")
         return "\n".join(lines)
 
@@ -208,22 +209,24 @@ def trace_trial(workload: Workload, model: torch.nn.Module, batch: int, *, fake_
 
 
 def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any, fused_attention: bool = True,
-                  cuda_autocast: bool = True, primed: bool = True, needs: tuple[int, ...] = ()) -> BatchCurve | None:
+                  cuda_autocast: bool = True, primed: bool = True, needs: tuple[int, ...] = (),
+                  why: Callable[[str], None] | None = None) -> BatchCurve | None:
     """:func:`trace_trial`'s steps traced once with a symbolic batch: its figures, and its requests to
     the allocator, at every batch the curve answers (:class:`~.symbolic.BatchCurve`), or ``None``
     where torch cannot trace it so. ``primed``: the one steady step after a step on zero gradients,
     else a log of whole steps for the allocator's model, made from that one step where it can be
     (:func:`~.made_log.whole_steps`), else traced whole (held gradients: the first backward makes them).
-    ``needs``: batches the curve must answer, or ``None`` as soon as a guard leaves one out."""
+    ``needs``: batches the curve must answer, or ``None`` as soon as a guard leaves one out; ``why``: called
+    with the reason where it is ``None``."""
     steps = max(2, workload.steps)
     if primed or not workload.grads_held:
         backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)
         try:
-            return trace_curve(work, model, backend, whole=0 if primed else steps, primed=True, needs=needs)
+            return trace_curve(work, model, backend, whole=0 if primed else steps, primed=True, needs=needs, why=why)
         except NotWhole:  # the steps traced whole, below
             pass
     backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, False)
-    return trace_curve(work, model, backend, steps=steps, needs=needs)
+    return trace_curve(work, model, backend, steps=steps, needs=needs, why=why)
 
 
 def _tracing(workload: Workload, fake_mode: Any, fused_attention: bool, log: Any, cuda_autocast: bool,
@@ -324,8 +327,9 @@ def estimate(
     # One trace with the batch a symbol answers every batch it allows; any other is traced at its size.
     # Booked through the caching allocator's model (the default), the steps are two whole ones.
     booked = overheads.fragmentation is None
+    not_once: list[str] = []  # why the one trace did not answer, where it did not
     curve = trace_batches(workload, model, fake_mode=fake_mode, fused_attention=overheads.fused_attention,
-                          primed=not booked)
+                          primed=not booked, why=not_once.append)
     answered: list[int] = []
 
     def run(batch: int) -> Trial:
@@ -381,7 +385,8 @@ def estimate(
         dtype=dtype_label(workload.dtype),
         extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
                # the batches read off the one symbolic trace; the others were traced at their size
-               "traced_once_for": answered, **batchnorm_record(model)},
+               "traced_once_for": answered, **({"not_traced_once": not_once[0]} if not_once else {}),
+               **batchnorm_record(model)},
     )
 
 

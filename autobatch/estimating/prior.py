@@ -96,7 +96,9 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
     def curve() -> BatchCurve | None:
         with torch.random.fork_rng(devices=[]):
             return trace_batches(workload, model, fake_mode=mode, cuda_autocast=device_type == "cuda",
-                                 primed=allocator == "exact", needs=tuple(grid))
+                                 primed=allocator == "exact", needs=tuple(grid), why=curve.why.append)
+
+    curve.why = []  # type: ignore[attr-defined]  # why the one trace for every batch did not answer, where it did not
 
     grid = _grid(first)[:_FIT]  # the batches the per-batch prior traces: the curve must answer each
     per_batch = replayed_prior(trace, first, allocator=allocator, name=workload.name)
@@ -289,12 +291,14 @@ class GuardedPrior:
         return bool(getattr(self._prior, "once", False))
 
     def report(self) -> dict[str, Any] | None:
-        """``{"traced_batches", "traced_once", "seconds", "failure"}``, or ``None`` when the search never asked."""
+        """``{"traced_batches", "traced_once", "seconds", "failure"}``, and ``not_traced_once`` where the one trace
+        for every batch stopped (why, and where), or ``None`` when the search never asked."""
         traced, once = self.traced_batches, self.traced_once
         if not traced and not once and self.failure is None:
             return None
+        why = getattr(self._prior, "not_once", None)
         return {"traced_batches": traced, "traced_once": once, "seconds": round(self.seconds, 3),
-                "failure": self.failure}
+                "failure": self.failure, **({"not_traced_once": why} if why else {})}
 
 
 def traced_nothing(seconds: float = 0.0) -> dict[str, Any]:

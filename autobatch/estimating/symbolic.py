@@ -18,8 +18,10 @@ with a symbolic batch, is traced at its own size as before (:func:`~.estimate.tr
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,28 +175,50 @@ class SymbolicTracker(MemoryTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+_OURS = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _calling() -> str:
+    """The line that called torch: the innermost frame outside torch and autobatch (the model's, or the
+    loss's), as ``file:line in function``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(_OURS) and not frame.f_code.co_filename.startswith("<"):
+            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "torch's own code"
+
+
 class _StopOnceGuarded(TorchFunctionMode):
     """Raise :class:`BatchGuarded` at the first torch call after the batch symbol is pinned, or after a
-    guard leaves out a batch of ``needs``. Checked where the model calls torch, never inside one of torch's
-    own kernels (an exception raised in a convolution's dispatch aborts the process)."""
+    guard leaves out a batch of ``needs``, and at every call after it, saying where it was first (the
+    unwinding's own calls, a ``finally``'s ``zero_grad``, would say theirs). Checked where the model calls
+    torch, never inside one of torch's own kernels (an exception raised in a convolution's dispatch aborts
+    the process)."""
 
     def __init__(self, env: Any, symbol: Any, needs: tuple[int, ...]):
         super().__init__()
         self.env, self.symbol, self.needs = env, symbol, needs
         self._checked = 0  # the env's guards checked so far
+        self._stopped: str | None = None  # why, and where, it stopped
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(self.env.replacements.get(self.symbol), "is_number", False):
-            raise BatchGuarded(f"torch pinned the batch to {self.env.replacements[self.symbol]} before {func}")
+        if self._stopped is None and getattr(self.env.replacements.get(self.symbol), "is_number", False):
+            self._stopped = (f"torch pinned the batch to {self.env.replacements[self.symbol]} at {_calling()}, where "
+                             "len() or int() read a batch-sized dimension")
         guards = self.env.guards
-        if self.needs and len(guards) > self._checked:
+        if self._stopped is None and self.needs and len(guards) > self._checked:
             import sympy
 
             for guard in guards[self._checked:]:
                 left_out = [b for b in self.needs if guard.expr.xreplace({self.symbol: b}) is sympy.false]
                 if left_out:
-                    raise BatchGuarded(f"a guard ({guard.expr}) leaves out batch {left_out[0]} before {func}")
+                    self._stopped = f"a guard ({guard.expr}) leaves out batch {left_out[0]}, at {_calling()}"
+                    break
             self._checked = len(guards)
+        if self._stopped is not None:
+            raise BatchGuarded(self._stopped)
         return func(*args, **(kwargs or {}))
 
 
@@ -242,7 +266,8 @@ class BatchCurve:
 
 
 def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps: int = 1,
-                whole: int = 0, primed: bool = False, needs: tuple[int, ...] = ()) -> BatchCurve | None:
+                whole: int = 0, primed: bool = False, needs: tuple[int, ...] = (),
+                why: Callable[[str], None] | None = None) -> BatchCurve | None:
     """Trace ``steps`` steps of ``model`` (fake, under ``backend.fake_mode``) with a symbolic batch.
 
     ``backend`` is the :class:`~.fake_backends._FakeBackend` a per-batch trace would run on, and
@@ -257,6 +282,7 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
     steady step traced after a primed optimizer; :class:`NotWhole` where the step is not one the log
     can be made of. ``needs``: batches the curve must answer; the trace stops (``None``) once a guard
     leaves one out, as it does once torch pins the batch to the symbol's hint (:class:`BatchGuarded`).
+    ``why``: called with the reason, in one line, where it returns ``None``.
     """
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -311,6 +337,8 @@ def trace_curve(workload: Workload, model: torch.nn.Module, backend: Any, steps:
         # A size that is no polynomial in the batch, a value read from data, an op torch cannot run
         # with a symbolic size: the caller traces each batch at its own size instead.
         logging.getLogger(__name__).debug("no symbolic trace of %s: %s", workload.name, exc)
+        if why is not None:
+            why(" ".join(f"{type(exc).__name__}: {exc}".split()) if not isinstance(exc, BatchGuarded) else str(exc))
         return None
     finally:
         backend._tracker = original

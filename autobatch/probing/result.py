@@ -119,8 +119,15 @@ class BatchResult:
         return bool(self.trace_record["led"])
 
     def trace_line(self) -> str:
-        """One line: how the fake-tensor trace led the search, or why it did not."""
+        """One line: how the fake-tensor trace led the search, or why it did not; and why its one trace for
+        every batch stopped, where it did (``not_traced_once``) and the traces at each batch did not fail."""
         said = self.trace_record
+        why = said.get("not_traced_once")
+        line = self._trace_line(said)
+        return f"{line}; its one trace for every batch stopped: {why}" if why and not said.get("failure") else line
+
+    @staticmethod
+    def _trace_line(said: dict[str, Any]) -> str:
         traced = ", ".join(str(b) for b in said.get("traced_batches", []))
         seconds = f"in {said.get('seconds', 0):.1f} s"
         cost = (f"traced once for every batch {seconds}" if said.get("traced_once") else

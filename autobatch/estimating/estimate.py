@@ -5,9 +5,9 @@ optimizer step, ``workload.steps`` times), run under PyTorch's ``FakeTensorMode`
 shapes and dtypes but no memory and no compute — while :class:`~autobatch.probing.memtrack.MemoryTracker`
 counts live storages op by op, exactly as the simulated backend does with real tensors. The
 probe's search (:func:`autobatch.probing.search.search_max`) then drives these fake trials, a trial
-"fitting" when its peak, turned into a GPU's reserved peak by
-:class:`~autobatch.estimating.overheads.Overheads`, stays within the GPU's usable memory. A trial costs the
-same at any batch (shapes only), so the answer is the exact boundary of that model.
+"fitting" when its peak, turned into a GPU's reserved peak by :class:`~autobatch.estimating.overheads.Overheads`,
+stays within the GPU's usable memory. A trial costs the same at any batch (shapes only), so the answer is the
+exact boundary of that model.
 
 Example:
     >>> import torch, autobatch
@@ -216,8 +216,7 @@ def trace_batches(workload: Workload, model: torch.nn.Module, *, fake_mode: Any,
     where torch cannot trace it so. ``primed``: the one steady step after a step on zero gradients,
     else a log of whole steps for the allocator's model, made from that one step where it can be
     (:func:`~.made_log.whole_steps`), else traced whole (held gradients: the first backward makes them).
-    ``needs``: batches the curve must answer, or ``None`` as soon as a guard leaves one out; ``why``: called
-    with the reason where it is ``None``."""
+    ``needs``: batches the curve must answer, or ``None`` as soon as a guard leaves one out (``why`` told why)."""
     steps = max(2, workload.steps)
     if primed or not workload.grads_held:
         backend, work = _tracing(workload, fake_mode, fused_attention, None, cuda_autocast, True)
@@ -317,17 +316,15 @@ def estimate(
             raise AutobatchError(f"{name} must be a positive integer, but got {name}={value!r}")
     fake_mode = _mode_of(workload.model) or _new_fake_mode()
     model = training_copy(workload, fake_mode)
-    if min_batch is None:
-        min_batch = min_batch_for(model)
+    min_batch = min_batch_for(model) if min_batch is None else min_batch
     if max_batch is not None and max_batch < min_batch:
         raise AutobatchError(f"max_batch ({max_batch}) must be at least min_batch ({min_batch})")
     traced: list[Trial] = []
     buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if data_parallel > 1 else 0
 
-    # One trace with the batch a symbol answers every batch it allows; any other is traced at its size.
-    # Booked through the caching allocator's model (the default), the steps are two whole ones.
-    booked = overheads.fragmentation is None
-    not_once: list[str] = []  # why the one trace did not answer, where it did not
+    # One trace with the batch a symbol answers every batch it allows; any other is traced at its size (not_once:
+    # why, where it answers none). Booked through the caching allocator's model (the default): two whole steps.
+    booked, not_once = overheads.fragmentation is None, []
     curve = trace_batches(workload, model, fake_mode=fake_mode, fused_attention=overheads.fused_attention,
                           primed=not booked, why=not_once.append)
     answered: list[int] = []
@@ -385,8 +382,7 @@ def estimate(
         dtype=dtype_label(workload.dtype),
         extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
                # the batches read off the one symbolic trace; the others were traced at their size
-               "traced_once_for": answered, **({"not_traced_once": not_once[0]} if not_once else {}),
-               **batchnorm_record(model)},
+               "traced_once_for": answered, **dict(zip(["not_traced_once"], not_once)), **batchnorm_record(model)},
     )
 
 

@@ -41,6 +41,38 @@ def test_long_work_reports_what_and_how_long_and_quick_work_says_nothing(monkeyp
         assert threading.active_count() == before
 
 
+def test_a_trace_between_the_trials_says_nothing_while_paused_and_counts_only_its_own_seconds(monkeypatch) -> None:
+    # A trace between CPU trials waits while they run: its progress went on counting the trials' time ("once for
+    # every batch: 12 s" beside a trace of 6.17 s) and showed "tracing" while a trial trained (tried as a new user
+    # would).
+    import torch
+
+    from autobatch.estimating import background
+    from autobatch.estimating.prior import GuardedPrior
+
+    monkeypatch.setattr(progress, "AFTER_S", 0.3)
+    monkeypatch.setattr(progress, "EVERY_S", 0.1)
+
+    def trace(batch: int) -> float:
+        with working("tracing the stand-in"):
+            for _ in range(200):  # 0.4 s of its own, in torch calls it pauses at
+                torch.zeros(1)
+                time.sleep(0.002)
+        return 1.0
+
+    heard: list[str] = []
+    with listening(heard.append):
+        prior = background.TracedBetween(GuardedPrior(trace, "stand-in"), [1], least=0)
+        prior.lend(0.2)  # begun, then paused at a torch call: the trials run 1.5 s meanwhile
+        time.sleep(1.5)
+        assert heard == []  # 0.2 s of its own so far: under the 0.3 s a report waits for
+        prior.finish_within(5.0)
+    assert prior.ready() and heard, heard
+    told = [float(h.removeprefix("tracing the stand-in: ").removesuffix(" s")) for h in heard]
+    assert max(told) <= 1.0, heard  # its own 0.4 to 0.6 s, not the 1.5 s it waited
+    prior.stop()
+
+
 def test_a_listener_that_fails_never_touches_the_work(monkeypatch) -> None:
     monkeypatch.setattr(progress, "AFTER_S", 0.0)
 

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..probing.progress import paused
 from ..probing.workload import Workload
 from . import spawned
 from .spawned import SpawnedBeside
@@ -113,7 +114,8 @@ class _Cancel(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         while self.gate is not None and not self.gate.is_set() and not getattr(_held, "depth", 0):
             self.paused.set()
-            self.gate.wait()
+            with paused():  # its progress says nothing while the trials run, and counts only its own time
+                self.gate.wait()
         if self.event.is_set():
             raise _Cancelled
         return func(*args, **(kwargs or {}))

@@ -203,3 +203,15 @@ def test_solve_without_a_memory_limit_says_nothing_checked_that_it_fits():
     assert "no memory limit was given (--max-micro / max_micro)" in out and "`autobatch find` measures" in out
     limited = CliRunner().invoke(app, ["solve", "--target", "224", "--max-micro", "32"]).stdout
     assert "no memory limit" not in limited
+
+
+def test_check_with_no_micro_batch_assumes_the_accumulation_every_framework_defaults_to(tmp_path):
+    # With only an accelerate file, the note said "as DeepSpeed does" (tried as a new user would): one is every
+    # framework's default, and the note says so whichever files were given.
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n")
+    for files in ([], ["--accelerate", str(acc)]):
+        result = invoke("check", "--target", "224", "--gpus", "2", *files)
+        assert result.exit_code == 0, result.output
+        assert ("assumed accumulation 1, the default of DeepSpeed, accelerate and the HF Trainer"
+                in " ".join(result.output.split())), result.output

@@ -76,7 +76,8 @@ def _flags_view(c: _Collector, given: _Batch, world: int, topo: tuple[int, int, 
         return given
     per_rank = target // world
     if micro is None and accum is None:
-        c.note("no micro batch or accumulation given: assumed accumulation 1, as DeepSpeed does")
+        c.note("no micro batch or accumulation given: assumed accumulation 1, the default of DeepSpeed, accelerate "
+               "and the HF Trainer")
         return _Batch(target, per_rank, 1, {"micro", "accum"})
     if micro is None:
         if per_rank % accum:

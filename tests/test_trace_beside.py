@@ -226,11 +226,11 @@ def test_a_trace_between_is_not_begun_in_a_window_shorter_than_its_start_takes()
     assert started and batches(outcome) == [1, 128, 129] and prior_report(slow)["trace_prior"]["from_trial"] == 1
 
 
-def _calls(n: int) -> None:
-    """``n`` torch calls 2 ms apart: a trace's work, pausing (and stopping) at each call."""
+def _calls(n: int, apart: float = 0.002) -> None:
+    """``n`` torch calls ``apart`` seconds apart: a trace's work, pausing (and stopping) at each call."""
     for _ in range(n):
         torch.zeros(1)
-        time.sleep(0.002)
+        time.sleep(apart)
 
 
 class _Once:
@@ -269,18 +269,19 @@ def test_a_trace_whose_pace_is_unknown_is_let_run_once_as_long_again_and_leads_a
 
 class _SlowStart:
     """A trace whose one trace for every batch stops after ``start`` torch calls, then goes batch by batch
-    (``by_batch``, as the curve prior says it once its one trace is done), ``calls`` torch calls a batch
-    (2 ms apart), keeping what it traced: CLIP's, its batch pinned in its loss."""
+    (``by_batch``, as the curve prior says it once its one trace is done), ``calls`` torch calls a batch,
+    20 ms apart (their time is the sleeps', however loaded the machine), keeping what it traced: CLIP's,
+    its batch pinned in its loss."""
 
     def __init__(self, start: int, calls: int):
         self.start, self.calls, self.traced, self.by_batch = start, calls, {}, False
 
     def __call__(self, batch: int) -> float:
-        _calls(self.start if not self.by_batch else 0)
+        _calls(self.start if not self.by_batch else 0, apart=0.02)
         self.by_batch = True
         for b in (2, 4, 16, 64):
             if b not in self.traced:
-                _calls(self.calls)
+                _calls(self.calls, apart=0.02)
                 self.traced[b] = 100 + 7 * b
         return 100 + 7 * batch
 
@@ -290,11 +291,11 @@ def test_a_trace_lent_time_is_weighed_as_soon_as_its_first_batch_shows_its_pace(
         time.sleep(1.0)
         return dataclasses.replace(oracle(b), seconds_per_step=0.001)
 
-    # Its one trace stops after about 0.09 s (40 torch calls 2 ms apart), so four traces at that pace look
-    # cheap (0.36 s); each takes 0.7 s (320 calls). Lent the first trial's 1.0 s, its first batch, at about
-    # 0.8 s, shows over 2.3 s still to trace at that pace against two trials of about 1.05 s (the next, at
-    # 25: its steps grown, not its set-up). It pauses there and is given up, not run to the window's end.
-    prior = background.TracedBetween(GuardedPrior(_SlowStart(40, 320), "slow start"), [1], least=0)
+    # Its one trace stops after 0.08 s (4 torch calls), so four traces at that pace look cheap (0.32 s); each
+    # takes 0.72 s (36 calls). Lent the first trial's 1.0 s, its first batch, at 0.8 s, shows 2.4 s still to
+    # trace at that pace against two trials of about 1.05 s (the next, at 25: its steps grown, not its
+    # set-up). It pauses there and is given up, not run to the window's end.
+    prior = background.TracedBetween(GuardedPrior(_SlowStart(4, 36), "slow start"), [1], least=0)
     search_max(trial, 1000, prior=prior)
     record = prior_report(prior)["trace_prior"]
     assert record["traced_batches"] == [2] and record["reason"].startswith("the trace would have cost more"), record
@@ -303,20 +304,20 @@ def test_a_trace_lent_time_is_weighed_as_soon_as_its_first_batch_shows_its_pace(
 
 def test_a_trace_gone_batch_by_batch_is_weighed_at_its_one_traces_seconds_a_batch_before_it_traces_one():
     def trial(b: int) -> Trial:
-        time.sleep(0.6)
-        return dataclasses.replace(oracle(b), seconds_per_step=0.005)
+        time.sleep(1.0)
+        return dataclasses.replace(oracle(b), seconds_per_step=0.0005)
 
-    # Its one trace for every batch stops after about 0.5 s (250 torch calls 2 ms apart) without answering, and
-    # each of the four traces at a batch to come takes as long (CLIP's, its batch pinned in its loss: 4.2 s,
-    # then 4.4 s a batch). Lent the first trial's 0.6 s, it pauses as it goes batch by batch: four traces at
-    # that pace, about 2 s, against two trials of about 0.85 s (the next, at 25: its steps grown, not its
-    # set-up). Given up there, with no batch traced, not run to the window's end (nor to its first batch,
-    # at about 1 s, and given up only then, as before).
-    prior = background.TracedBetween(GuardedPrior(_SlowStart(250, 250), "slow start"), [1], least=0)
+    # Its one trace for every batch stops after 0.7 s (35 torch calls) without answering, and each of the four
+    # traces at a batch to come takes as long (CLIP's, its batch pinned in its loss: 4.2 s, then 4.4 s a batch).
+    # Lent the first trial's 1.0 s, it pauses as it goes batch by batch: four traces at that pace, 2.8 s,
+    # against two trials of about 1.02 s (the next, at 25: its steps grown, not its set-up). Given up there,
+    # with no batch traced, not run to the window's end (nor to its first batch, at 1.4 s, and given up only
+    # then, as before).
+    prior = background.TracedBetween(GuardedPrior(_SlowStart(35, 35), "slow start"), [1], least=0)
     outcome = search_max(trial, 1000, prior=prior)
     record = prior_report(prior)["trace_prior"]
     assert record["traced_batches"] == [] and record["reason"].startswith("the trace would have cost more"), record
-    assert prior.used < 0.6, prior.used
+    assert prior.used < 1.0, prior.used
     assert batches(outcome) == [1, 25, 128, 129] and no_trace_thread()
 
 

@@ -103,10 +103,11 @@ def test_find_answers_for_w_ranks_from_one_cpu() -> None:
 
 
 def _dear_steps(loss_fn_of_fakes: bool):
-    # a real step (or a traced one, on fake tensors) of a quarter second, where the other does not wait
+    # a real step (or a traced one, on fake tensors) of half a second, where the other does not wait: dear
+    # enough that the other's work on a loaded machine (the whole suite on two cores) stays well within it
     def loss_fn(model, x):
         if isinstance(x, FakeTensor) == loss_fn_of_fakes:
-            time.sleep(0.25)
+            time.sleep(0.5)
         return default_loss(model, x)
     return loss_fn
 
@@ -114,7 +115,7 @@ def _dear_steps(loss_fn_of_fakes: bool):
 def test_the_sharded_step_traced_on_fake_tensors_leads_the_search_where_the_trials_cost_more(monkeypatch) -> None:
     # The trace wraps a fake copy as FSDP2 wraps it, on the probe's own fake group of four, and replays
     # it at any batch; it runs between the trials, each batch whole, never once they have taken less.
-    # Its windows here are the first trial's time, about half a second: begun in any of them (the
+    # Its windows here are the first trial's time, about a second: begun in any of them (the
     # shortest window a trace is begun in is tested in tests/test_trace_beside.py), so that what the
     # trials cost decides, not where that time falls against the floor.
     monkeypatch.setattr(background, "FIRST_WINDOW", 0.0)

@@ -34,27 +34,28 @@ from .symbolic import BatchCurve
 __all__ = ["curve_prior"]
 
 
-def curve_prior(curve_of: Callable[[], BatchCurve | None], per_batch: Callable[[int], float], grid: list[int], *,
-                allocator: str = "exact") -> Callable[[int], float]:
-    """The prior read off ``curve_of()`` (traced on the first call), or ``per_batch``'s where that curve
-    is ``None`` or does not answer each batch of ``grid`` (the batches ``per_batch`` traces).
+def curve_prior(curve_of: Callable[[Callable[[str], None]], BatchCurve | None], per_batch: Callable[[int], float],
+                grid: list[int], *, allocator: str = "exact") -> Callable[[int], float]:
+    """The prior read off ``curve_of(why)`` (traced on the first call; ``why`` is told the reason where it is
+    ``None``), or ``per_batch``'s where that curve is ``None`` or does not answer each batch of ``grid`` (the
+    batches ``per_batch`` traces).
 
     A batch below the curve's smallest (1, where size one broadcasts and torch guards it out) is read
     off its polynomials, as the per-batch prior reads the sizes it fitted from 2 up at 1. ``once`` is
     whether the curve leads (the report's ``traced_once``); ``by_batch``, whether it was traced and did not
-    answer, so that every batch is traced at its size, and ``not_once`` why, where ``curve_of.why`` holds a
-    reason (:func:`~.estimate.trace_batches`); ``traced`` and ``first`` are ``per_batch``'s.
+    answer, so that every batch is traced at its size, and ``not_once`` why, where ``curve_of`` told one
+    (:func:`~.estimate.trace_batches`); ``traced`` and ``first`` are ``per_batch``'s.
     """
     check_allocator(allocator)
     read: dict[str, Any] = {}
 
     def prior(batch: int) -> float:
         if "curve" not in read:
-            curve = curve_of()
+            why: list[str] = []
+            curve = curve_of(why.append)
             read["curve"] = curve if curve is not None and all(curve.answers(b) for b in grid) else None
             prior.once = read["curve"] is not None  # type: ignore[attr-defined]
             prior.by_batch = not prior.once  # type: ignore[attr-defined]
-            why = getattr(curve_of, "why", None)  # the reason it gave, where it did not answer
             prior.not_once = why[0] if why and not prior.once else None  # type: ignore[attr-defined]
         curve: BatchCurve | None = read["curve"]
         batch = max(getattr(per_batch, "first", 1), batch)

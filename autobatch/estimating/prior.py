@@ -93,12 +93,10 @@ def trace_prior(workload: Workload, *, min_batch: int | None = None, allocator: 
             return phase_peaks(trace_trial(workload, model, batch, fake_mode=mode, log=record,
                                            cuda_autocast=device_type == "cuda", primed=allocator == "exact"))
 
-    def curve() -> BatchCurve | None:
+    def curve(why: Callable[[str], None]) -> BatchCurve | None:
         with torch.random.fork_rng(devices=[]):
             return trace_batches(workload, model, fake_mode=mode, cuda_autocast=device_type == "cuda",
-                                 primed=allocator == "exact", needs=tuple(grid), why=curve.why.append)
-
-    curve.why = []  # type: ignore[attr-defined]  # why the one trace for every batch did not answer, where it did not
+                                 primed=allocator == "exact", needs=tuple(grid), why=why)
 
     grid = _grid(first)[:_FIT]  # the batches the per-batch prior traces: the curve must answer each
     per_batch = replayed_prior(trace, first, allocator=allocator, name=workload.name)

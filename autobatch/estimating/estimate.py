@@ -324,9 +324,9 @@ def estimate(
 
     # One trace with the batch a symbol answers every batch it allows; any other is traced at its size (not_once:
     # why, where it answers none). Booked through the caching allocator's model (the default): two whole steps.
-    booked, not_once = overheads.fragmentation is None, []
+    booked, not_once = overheads.fragmentation is None, {}
     curve = trace_batches(workload, model, fake_mode=fake_mode, fused_attention=overheads.fused_attention,
-                          primed=not booked, why=not_once.append)
+                          primed=not booked, why=lambda reason: not_once.update(not_traced_once=reason))
     answered: list[int] = []
 
     def run(batch: int) -> Trial:
@@ -382,7 +382,7 @@ def estimate(
         dtype=dtype_label(workload.dtype),
         extra={**({"ddp_buckets_bytes": buckets} if buckets else {}), "trace_prior": not_led(IS_THE_TRACE),
                # the batches read off the one symbolic trace; the others were traced at their size
-               "traced_once_for": answered, **dict(zip(["not_traced_once"], not_once)), **batchnorm_record(model)},
+               "traced_once_for": answered, **not_once, **batchnorm_record(model)},
     )
 
 

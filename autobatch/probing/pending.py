@@ -60,10 +60,9 @@ def stopped(prior: Any) -> Iterator[None]:
 
 class Pending:
     """A prior with ``ready()`` (and, where it runs only when lent time, ``lend(seconds)``, true where it
-    paused as its pace became known, with time left to lend; where it
-    can say how long it still needs, ``remaining()`` and ``finish_within(seconds)``; how long it has run,
-    ``ran()``), and the seconds of the trials run while
-    it was not ready."""
+    paused as its pace became known, with time left to lend; where it can say how long it still needs,
+    ``remaining()`` and ``finish_within(seconds)``; how long it has run, ``ran()``), and the seconds of the
+    trials run while it was not ready."""
 
     def __init__(self, prior: Any):
         self.prior = prior
